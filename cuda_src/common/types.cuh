@@ -1,0 +1,38 @@
+// 16-bit element types and their conversions, written with PTX so that no CUDA toolkit header
+// is needed: NVRTC compiles cuflash's sources with nothing on its include path but cuda_src/.
+#pragma once
+
+namespace cuflash {
+
+struct half_t { unsigned short bits; };
+struct bfloat16_t { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(half_t x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+
+// bf16 is the high half of an fp32: widening is a shift, exact on every arch.
+__device__ __forceinline__ float to_float(bfloat16_t x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
+
+// Load kN consecutive 16-bit elements as floats with the widest access kN allows: one 16-byte
+// load for 8 elements (the caller guarantees 16-byte alignment), element-wise otherwise.
+template <int kN, typename T>
+__device__ __forceinline__ void load_as_float(const T* __restrict__ p, float (&f)[kN]) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+  if constexpr (kN == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = to_float(T{static_cast<unsigned short>(words[i] & 0xffffu)});
+      f[2 * i + 1] = to_float(T{static_cast<unsigned short>(words[i] >> 16)});
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) f[i] = to_float(p[i]);
+  }
+}
+
+}  // namespace cuflash

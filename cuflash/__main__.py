@@ -1,0 +1,166 @@
+"""python -m cuflash: info | kernels | build."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from importlib import metadata
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gpus() -> tuple[list[dict], str | None]:
+    """The visible GPUs, or ([], reason) when there are none."""
+    try:
+        import cupy
+    except ImportError:
+        return [], 'CuPy is not installed (pip install "cuflash[cuda12]")'
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver or no device
+        return [], f"no NVIDIA GPU is usable here ({type(e).__name__}: {e})"
+    if count == 0:
+        return [], "no NVIDIA GPU is visible"
+    gpus = []
+    for i in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        gpus.append(dict(index=i, name=props["name"].decode(), compute_capability=(props["major"], props["minor"]),
+                         multiprocessors=props["multiProcessorCount"], memory_gib=props["totalGlobalMem"] / 2**30))
+    return gpus, None
+
+
+def cmd_info(args) -> int:
+    from . import __version__, jit, kernels
+
+    print(f"cuflash {__version__}  (sources {jit.source_dir()}, hash {jit.source_hash()[:16]})")
+    print(f"python {platform.python_version()}, numpy {_version('numpy')}")
+    frameworks = {name: _version(dist) for name, dist in
+                  (("cupy", "cupy-cuda12x"), ("cupy", "cupy-cuda13x"), ("torch", "torch"), ("jax", "jax"))
+                  if _version(dist)}
+    print("frameworks: " + (", ".join(f"{k} {v}" for k, v in frameworks.items()) or "none besides numpy"))
+    gpus, reason = _gpus()
+    if gpus:
+        import cupy
+
+        print(f"CUDA driver {cupy.cuda.runtime.driverGetVersion()}, CuPy's NVRTC {cupy.cuda.nvrtc.getVersion()}")
+        for g in gpus:
+            cc = g["compute_capability"]
+            print(f"GPU {g['index']}: {g['name']}, compute capability {cc[0]}.{cc[1]} (compiles for "
+                  f"{jit.arch_for(cc)}), {g['multiprocessors']} SMs, {g['memory_gib']:.0f} GiB")
+    else:
+        print(f"GPU: none. {reason}. cuflash's kernels need an NVIDIA GPU of compute capability 8.0 or newer; "
+              "NumPy and other CPU arrays run on the NumPy reference.")
+    try:
+        from . import toolchain
+
+        print(f"offline compiler: NVRTC {'.'.join(map(str, toolchain.nvrtc_version()))} ({toolchain.nvrtc_library()})")
+    except Exception as e:
+        print(f"offline compiler: unavailable ({e})")
+    print("kernel families:")
+    cc_here = gpus[0]["compute_capability"] if gpus else None
+    for family in kernels.FAMILIES.values():
+        need = ".".join(map(str, family.min_compute_capability))
+        if cc_here is None:
+            here = "no GPU here"
+        else:
+            here = "runs here" if family.runs_on(cc_here) else f"needs compute capability >= {need}"
+        print(f"  {family.name:<18} {family.op:<24} {len(family.variants):>3} variants, "
+              f"compute capability >= {need}: {here}")
+        print(f"  {'':<18} {family.description}")
+    return 0
+
+
+def _variants_for(compute_capability, family_names):
+    from . import kernels
+
+    chosen = []
+    for family in kernels.FAMILIES.values():
+        if family_names and family.name not in family_names:
+            continue
+        if family.runs_on(compute_capability):
+            chosen.extend(family.variants)
+    return chosen
+
+
+def cmd_kernels(args) -> int:
+    from . import jit
+
+    try:
+        cc = jit.compute_capability_of(args.arch)
+    except ValueError as e:
+        print(f"cuflash kernels: {e}", file=sys.stderr)
+        return 2
+    variants = _variants_for(cc, args.family)
+    start = time.perf_counter()
+    report = jit.offline_report(args.arch, variants, jobs=args.jobs)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{len(report)} variants for {args.arch}, compiled offline in {elapsed:.1f} s")
+    print(f"{'variant':<58} {'regs':>4} {'spill':>5} {'stack':>5} {'smem':>6} {'LDL/STL':>7}  top SASS opcodes")
+    for r in report:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["sass_opcodes"].items())[:5])
+        spills = r["spill_store_bytes"] + r["spill_load_bytes"]
+        smem = r["static_shared_bytes"] + r["dynamic_shared_bytes"]
+        print(f"{r['uri']:<58} {r['registers']:>4} {spills:>5} {r['stack_frame_bytes']:>5} {smem:>6} "
+              f"{r['local_memory_instructions']:>7}  {top}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    gpus, reason = _gpus()
+    if not gpus:
+        print(f"cuflash build: {reason}; nothing to build without a GPU", file=sys.stderr)
+        return 1
+    from . import jit
+
+    device = gpus[args.device]
+    cc = device["compute_capability"]
+    variants = _variants_for(cc, args.family)
+    print(f"building {len(variants)} variants for {device['name']} ({jit.arch_for(cc)})")
+    first, warm = [], []
+    for i, variant in enumerate(variants, 1):
+        t0 = time.perf_counter()
+        jit.get_function(variant, device["index"])
+        first.append(time.perf_counter() - t0)
+        print(f"\r[{i}/{len(variants)}] {variant.uri:<60} {first[-1]:6.2f} s", end="", flush=True)
+    print()
+    jit.clear_cache()
+    for variant in variants:
+        t0 = time.perf_counter()
+        jit.get_function(variant, device["index"])
+        warm.append(time.perf_counter() - t0)
+    print(f"first load (compiles unless CuPy's disk cache has it): total {sum(first):.2f} s, "
+          f"slowest {max(first):.2f} s")
+    print(f"warm load (from CuPy's disk cache): total {sum(warm):.3f} s, mean {1e3 * sum(warm) / len(warm):.1f} ms")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, versions, frameworks, kernel families and whether they run here")
+    k = sub.add_parser("kernels", help="compile every registered variant offline (no GPU needed) and report "
+                                       "registers, spills, shared memory and SASS opcodes")
+    k.add_argument("--arch", default="sm_90a", help="sm_80, sm_86, sm_89, sm_90a, ... (default sm_90a)")
+    k.add_argument("--family", action="append", help="only this family (repeatable)")
+    k.add_argument("--json", action="store_true", help="print the full report as JSON")
+    k.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
+    b = sub.add_parser("build", help="precompile every variant for this GPU into CuPy's disk cache")
+    b.add_argument("--device", type=int, default=0)
+    b.add_argument("--family", action="append", help="only this family (repeatable)")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "kernels": cmd_kernels, "build": cmd_build}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The public functions: argument checks, then one Problem handed to `dispatch`.
+
+Every check happens here, before any kernel runs, and each error names the argument, what was
+given and what is expected. Nothing below this module re-validates user input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import arrays, dispatch, reference
+from .arrays import ArrayInfo
+from .problem import Problem
+
+_ATTENTION_LAYOUT = "(batch, seqlen, nheads, headdim)"
+_VARLEN_LAYOUT = "(total_tokens, nheads, headdim)"
+
+
+# ----------------------------------------------------------------------------- generic checks
+
+
+def _describe_all(named: dict[str, Any]) -> dict[str, ArrayInfo]:
+    """Describe every array; all must come from one framework and sit on one device."""
+    infos = {name: arrays.describe(name, x) for name, x in named.items()}
+    first = next(iter(infos.values()))
+    for info in infos.values():
+        if info.framework != first.framework:
+            raise TypeError(
+                f"{info.name} is a {info.framework} array but {first.name} is a {first.framework} array; "
+                "pass arrays of one framework"
+            )
+        if info.device != first.device:
+            raise ValueError(f"{info.name} is on {info.device} but {first.name} is on {first.device}; "
+                             "pass arrays on one device")
+    return infos
+
+
+def _check_rank(info: ArrayInfo, rank: int, layout: str) -> None:
+    if len(info.shape) != rank:
+        raise ValueError(f"{info.name} must have {rank} dimensions {layout}; got shape {info.shape}")
+
+
+def _check_unit_last_stride(info: ArrayInfo) -> None:
+    if info.shape[-1] > 1 and info.strides[-1] != 1:
+        raise ValueError(
+            f"{info.name} must have unit stride on its last (head) dimension; got strides {info.strides} "
+            f"(in elements). Make it contiguous first: {info.contiguous_fix}"
+        )
+
+
+def _check_same_dtype(infos: list[ArrayInfo]) -> str:
+    first = infos[0]
+    for info in infos[1:]:
+        if info.dtype != first.dtype:
+            raise TypeError(f"{info.name} has dtype {info.dtype} but {first.name} has {first.dtype}; "
+                            f"{', '.join(i.name for i in infos)} must share one dtype (nothing is cast for you)")
+    return first.dtype
+
+
+def _check_dtype_supported(op: str, info: ArrayInfo) -> None:
+    supported = dispatch.supported_dtypes(op, info.device)
+    if supported and info.dtype not in supported:
+        where = "on the GPU" if info.device.is_cuda else "on the CPU reference backend"
+        raise TypeError(f"{info.name} has dtype {info.dtype}, which cuflash does not support {where}; "
+                        f"expected one of {', '.join(sorted(supported))}")
+
+
+def _check_shape(info: ArrayInfo, expected: tuple[int, ...], what: str) -> None:
+    if info.shape != expected:
+        raise ValueError(f"{info.name} must have shape {expected} {what}; got {info.shape}")
+
+
+def _features(headdim: int, causal: Any, softmax_scale: Any, window: Any, softcap: Any) -> dict:
+    """Check the keyword features; return the Problem fields they set."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window must be a pair of ints (left, right), -1 meaning unbounded; got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window values must be >= -1 (-1 means unbounded); got {tuple(window)}")
+    left, right = reference.window_bounds(bool(causal), (int(window[0]), int(window[1])))
+    if not isinstance(softcap, (int, float, np.floating, np.integer)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be a float; got {softcap!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off); got {softcap}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    elif not isinstance(softmax_scale, (int, float, np.floating, np.integer)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(headdim)); got {softmax_scale!r}")
+    elif not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    return dict(causal=bool(causal), window_left=left, window_right=right,
+                softmax_scale=float(softmax_scale), softcap=float(softcap))
+
+
+def _check_return_lse(return_lse: Any) -> bool:
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+    return bool(return_lse)
+
+
+# ----------------------------------------------------------------------------- dense attention
+
+
+def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple) -> Problem:
+    """Checks shared by the dense forward and backward: q, k, v layout, GQA, dtype, strides."""
+    q, k, v = infos["q"], infos["k"], infos["v"]
+    for info in (q, k, v):
+        _check_rank(info, 4, _ATTENTION_LAYOUT)
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}; they must match")
+    if k.shape[3] != headdim:
+        raise ValueError(f"k has headdim {k.shape[3]} but q has headdim {headdim}; they must match")
+    _check_shape(v, k.shape, "(the shape of k)")
+    if headdim < 1:
+        raise ValueError(f"q must have headdim >= 1; got shape {q.shape}")
+    if nheads_kv < 1 or nheads % nheads_kv:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k and v ({nheads_kv}) "
+                         "(MQA/GQA: query head h reads kv head h // (nheads // nheads_kv))")
+    dtype = _check_same_dtype([q, k, v])
+    for info in (q, k, v):
+        _check_unit_last_stride(info)
+    _check_dtype_supported(op, q)
+    return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
+                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
+                   headdim=headdim, **_features(headdim, *features))
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """Scaled dot-product attention, FlashAttention semantics.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with nheads a
+    multiple of nheads_kv (query head h reads kv head h // (nheads // nheads_kv)).
+    softmax_scale defaults to 1/sqrt(headdim). softcap > 0 replaces each scaled score s by
+    softcap * tanh(s / softcap), before masking. causal and window=(left, right) align to the
+    bottom-right corner: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (causal: right = 0;
+    -1: unbounded). A query row that sees no key gives output 0 and lse -inf.
+
+    Returns out (the caller's framework, q's dtype, shape of q) and, with return_lse=True,
+    (out, lse) where lse is float32 (batch, nheads, seqlen_q), the natural log of each row's sum of
+    exp(scores). NumPy and other CPU arrays run on the NumPy reference; GPU arrays on cuflash's kernels.
+    """
+    return_lse = _check_return_lse(return_lse)
+    infos = _describe_all(dict(q=q, k=k, v=v))
+    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
+    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
+    out, lse = dispatch.run(problem, dict(q=q, k=k, v=v),
+                            dict(out=(infos["q"].shape, problem.dtype), lse=(lse_shape, "float32")))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+    """Gradients (dq, dk, dv) of `attention` for the upstream gradient `dout`.
+
+    out and lse are what the forward returned (lse float32 (batch, nheads, seqlen_q)); the keywords
+    must be the forward's. dk and dv are summed over the query heads that share a kv head.
+    """
+    infos = _describe_all(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
+    problem = _attention_problem("attention_backward", {n: infos[n] for n in ("q", "k", "v")},
+                                 (causal, softmax_scale, window, softcap))
+    for name in ("dout", "out"):
+        _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
+        _check_unit_last_stride(infos[name])
+    _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
+    _check_lse(infos["lse"], (problem.batch, problem.nheads, problem.seqlen_q))
+    return dispatch.run(problem, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse),
+                        dict(dq=(infos["q"].shape, problem.dtype), dk=(infos["k"].shape, problem.dtype),
+                             dv=(infos["v"].shape, problem.dtype)))
+
+
+def _check_lse(info: ArrayInfo, shape: tuple[int, ...]) -> None:
+    if info.dtype != "float32":
+        raise TypeError(f"lse must be float32 (as the forward returns it); got {info.dtype}")
+    _check_shape(info, shape, "(as the forward returns it)")
+
+
+def backward_preprocess(dout, out):
+    """delta = rowsum(dout * out) in float32, shape (batch, nheads, seqlen): the per-row term of the
+    softmax gradient that the FlashAttention backward computes first (dS = P * (dP - delta))."""
+    infos = _describe_all(dict(dout=dout, out=out))
+    for info in infos.values():
+        _check_rank(info, 4, _ATTENTION_LAYOUT)
+        _check_unit_last_stride(info)
+    _check_shape(infos["dout"], infos["out"].shape, "(the shape of out)")
+    dtype = _check_same_dtype([infos["out"], infos["dout"]])
+    _check_dtype_supported("backward_preprocess", infos["out"])
+    batch, seqlen, nheads, headdim = infos["out"].shape
+    problem = Problem(op="backward_preprocess", framework=infos["out"].framework, device=infos["out"].device,
+                      dtype=dtype, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads,
+                      nheads_kv=nheads, headdim=headdim)
+    (delta,) = dispatch.run(problem, dict(dout=dout, out=out), dict(delta=((batch, nheads, seqlen), "float32")))
+    return delta
+
+
+# ----------------------------------------------------------------------------- varlen attention
+
+
+def _read_cu_seqlens(x: Any) -> np.ndarray | None:
+    """The values of a cu_seqlens array on the host (a small copy; GPU arrays synchronise), or
+    None for a JAX tracer, whose values are unknown until it runs."""
+    framework = arrays.framework_of(x)
+    if framework == "numpy":
+        return x
+    if framework == "cupy":
+        return x.get()
+    if framework == "torch":
+        return x.detach().cpu().numpy()
+    jax = arrays._module("jax")
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: str, max_seqlen: Any) -> int:
+    """Check one cu_seqlens array against the packed length; return the number of sequences."""
+    if info.dtype != "int32":
+        raise TypeError(f"{name} must be int32 prefix sums of the sequence lengths; got dtype {info.dtype}")
+    if len(info.shape) != 1 or info.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2; got shape {info.shape}")
+    _check_unit_last_stride(info)
+    if not isinstance(max_seqlen, (int, np.integer)) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a non-negative int; got {max_seqlen!r}")
+    values = _read_cu_seqlens(x)
+    if values is not None:
+        values = np.asarray(values, dtype=np.int64)
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0; got {values[0]}")
+        lengths = np.diff(values)
+        if (lengths < 0).any():
+            i = int(np.argmax(lengths < 0))
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}] = {values[i + 1]} < "
+                             f"{name}[{i}] = {values[i]}")
+        if values[-1] != total:
+            raise ValueError(f"{name}[-1] = {values[-1]} must equal the packed length {total}")
+        if lengths.size and lengths.max() > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} "
+                             f"({lengths.max()})")
+    return info.shape[0] - 1
+
+
+def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any], max_seqlen_q, max_seqlen_k,
+                    features: tuple) -> Problem:
+    q, k, v = infos["q"], infos["k"], infos["v"]
+    for info in (q, k, v):
+        _check_rank(info, 3, _VARLEN_LAYOUT)
+    total_q, nheads, headdim = q.shape
+    total_k, nheads_kv, _ = k.shape
+    if k.shape[2] != headdim:
+        raise ValueError(f"k has headdim {k.shape[2]} but q has headdim {headdim}; they must match")
+    _check_shape(v, k.shape, "(the shape of k)")
+    if headdim < 1:
+        raise ValueError(f"q must have headdim >= 1; got shape {q.shape}")
+    if nheads_kv < 1 or nheads % nheads_kv:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k and v ({nheads_kv})")
+    dtype = _check_same_dtype([q, k, v])
+    for info in (q, k, v):
+        _check_unit_last_stride(info)
+    _check_dtype_supported(op, q)
+    batch = _check_cu_seqlens("cu_seqlens_q", infos["cu_seqlens_q"], named["cu_seqlens_q"], total_q,
+                              "max_seqlen_q", max_seqlen_q)
+    batch_k = _check_cu_seqlens("cu_seqlens_k", infos["cu_seqlens_k"], named["cu_seqlens_k"], total_k,
+                                "max_seqlen_k", max_seqlen_k)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_k describes {batch_k} sequences but cu_seqlens_q describes {batch}; "
+                         "they must have the same length")
+    return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
+                   seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), nheads=nheads, nheads_kv=nheads_kv,
+                   headdim=headdim, total_q=total_q, total_k=total_k, **_features(headdim, *features))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`attention` over packed sequences of different lengths.
+
+    q: (total_q, nheads, headdim), k, v: (total_k, nheads_kv, headdim); sequence b is rows
+    cu_seqlens[b]:cu_seqlens[b+1] (int32 prefix sums of length batch + 1, starting at 0);
+    max_seqlen_q/max_seqlen_k bound the sequence lengths. Masks align bottom-right per sequence.
+    lse: float32 (nheads, total_q). cu_seqlens values are checked on the host (a small copy; for GPU
+    arrays a synchronisation); under jax.jit they are unknown and only their shape is checked.
+    """
+    return_lse = _check_return_lse(return_lse)
+    named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    infos = _describe_all(named)
+    problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k,
+                              (causal, softmax_scale, window, softcap))
+    out, lse = dispatch.run(problem, named, dict(out=(infos["q"].shape, problem.dtype),
+                                                 lse=((problem.nheads, problem.total_q), "float32")))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+    """Gradients (dq, dk, dv) of `attention_varlen`; lse is float32 (nheads, total_q)."""
+    named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    infos = _describe_all(named)
+    problem = _varlen_problem("attention_varlen_backward", infos, named, max_seqlen_q, max_seqlen_k,
+                              (causal, softmax_scale, window, softcap))
+    for name in ("dout", "out"):
+        _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
+        _check_unit_last_stride(infos[name])
+    _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
+    _check_lse(infos["lse"], (problem.nheads, problem.total_q))
+    return dispatch.run(problem, named, dict(dq=(infos["q"].shape, problem.dtype),
+                                             dk=(infos["k"].shape, problem.dtype),
+                                             dv=(infos["v"].shape, problem.dtype)))

@@ -1,0 +1,219 @@
+"""Framework detection, zero-copy views and streams.
+
+cuflash takes NumPy, CuPy, PyTorch and JAX arrays. Everything framework-specific lives here:
+what an array is (`describe`), a zero-copy NumPy view of a host array (`host_view`), the raw
+device pointer of a GPU array (`device_pointer`), allocating an output in the caller's
+framework (`empty`), and the caller's current stream (`current_stream`).
+
+No framework is imported here at module import: a framework is only looked at when the caller
+passes one of its arrays (it is then already in `sys.modules`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FRAMEWORKS = ("numpy", "cupy", "torch", "jax")
+
+# Hints for the fix when the last dimension is not contiguous; shown in the error message.
+_CONTIGUOUS_FIX = {
+    "numpy": "numpy.ascontiguousarray(x)",
+    "cupy": "cupy.ascontiguousarray(x)",
+    "torch": "x.contiguous()",
+    "jax": "jax arrays are always contiguous",
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where an array lives: ("cpu", 0) or ("cuda", ordinal). JAX tracers have no concrete
+    device at trace time; they are described by the platform of JAX's default backend."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What the argument checks need to know of one array, independent of its framework."""
+
+    name: str
+    framework: str
+    device: Device
+    dtype: str  # canonical name: float16, bfloat16, float32, float64, int32, ...
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    traced: bool = False  # a JAX tracer: shapes are known, values are not
+
+    @property
+    def contiguous_fix(self) -> str:
+        return _CONTIGUOUS_FIX[self.framework]
+
+
+def _module(name: str):
+    return sys.modules.get(name)
+
+
+def framework_of(x: Any) -> str | None:
+    """The framework an array belongs to, or None for anything that is not a supported array."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    cupy = _module("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    torch = _module("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    jax = _module("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return "jax"
+    return None
+
+
+def _dtype_name(framework: str, dtype: Any) -> str:
+    if framework == "torch":
+        return str(dtype).removeprefix("torch.")
+    return np.dtype(dtype).name
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def describe(name: str, x: Any) -> ArrayInfo:
+    """Describe argument `name`; TypeError (naming it) if it is not an array cuflash takes."""
+    framework = framework_of(x)
+    if framework is None:
+        raise TypeError(
+            f"{name} must be a NumPy, CuPy, PyTorch or JAX array; got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    shape = tuple(int(n) for n in x.shape)
+    if framework == "numpy":
+        itemsize = x.dtype.itemsize
+        return ArrayInfo(name, framework, Device("cpu"), _dtype_name(framework, x.dtype), shape,
+                         tuple(s // itemsize for s in x.strides))
+    if framework == "cupy":
+        itemsize = x.dtype.itemsize
+        return ArrayInfo(name, framework, Device("cuda", int(x.device.id)), _dtype_name(framework, x.dtype), shape,
+                         tuple(s // itemsize for s in x.strides))
+    if framework == "torch":
+        dev = x.device
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on torch device {dev}; cuflash runs on 'cpu' (reference) or 'cuda'")
+        device = Device("cuda", dev.index if dev.index is not None else 0) if dev.type == "cuda" else Device("cpu")
+        return ArrayInfo(name, framework, device, _dtype_name(framework, x.dtype), shape, tuple(x.stride()))
+    # JAX: arrays are dense and row-major; a tracer has no device, so take the default backend's.
+    jax = _module("jax")
+    traced = isinstance(x, jax.core.Tracer)
+    if traced:
+        platform = jax.default_backend()
+        device = Device("cuda" if platform in ("gpu", "cuda") else "cpu")
+    else:
+        devices = x.devices()
+        if len(devices) != 1:
+            raise ValueError(f"{name} is sharded over {len(devices)} devices; pass a single-device array")
+        (d,) = devices
+        device = Device("cuda", d.id) if d.platform in ("gpu", "cuda") else Device("cpu")
+    return ArrayInfo(name, framework, device, _dtype_name(framework, x.dtype), shape,
+                     _contiguous_strides(shape), traced=traced)
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def host_view(x: Any) -> np.ndarray:
+    """Zero-copy NumPy view of a host array (NumPy, torch CPU tensor, JAX CPU array or JAX CPU
+    callback buffer). Writes through the view land in `x`."""
+    framework = framework_of(x)
+    if framework == "numpy":
+        return x
+    if framework == "torch":
+        torch = _module("torch")
+        t = x.detach()
+        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16; reinterpret the bits as ml_dtypes'.
+            return t.view(torch.int16).numpy().view(_bfloat16())
+        return t.numpy()
+    # JAX arrays and jax.experimental.buffer_callback.Buffer objects implement __array__ on CPU.
+    return np.asarray(x)
+
+
+def device_pointer(x: Any) -> int:
+    """The device address of a GPU array's first element (no copy, no synchronisation)."""
+    framework = framework_of(x)
+    if framework == "cupy":
+        return int(x.data.ptr)
+    if framework == "torch":
+        return int(x.data_ptr())
+    # JAX arrays and buffer_callback Buffers on GPU expose the CUDA array interface.
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+_TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32")
+
+
+def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) -> Any:
+    """Allocate an uninitialised array through the caller's framework's own allocator."""
+    if framework == "numpy":
+        return np.empty(shape, _bfloat16() if dtype == "bfloat16" else np.dtype(dtype))
+    if framework == "torch":
+        torch = _module("torch")
+        assert dtype in _TORCH_DTYPES, dtype
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=str(device))
+    if framework == "cupy":
+        cupy = _module("cupy")
+        with cupy.cuda.Device(device.index):
+            return cupy.empty(shape, _bfloat16() if dtype == "bfloat16" else np.dtype(dtype))
+    raise AssertionError(f"outputs of {framework} arrays are allocated by the framework itself")
+
+
+def current_stream(framework: str, device: Device) -> int:
+    """The handle of the caller's current CUDA stream for `device` (torch's or CuPy's)."""
+    if framework == "torch":
+        torch = _module("torch")
+        return int(torch.cuda.current_stream(device.index).cuda_stream)
+    if framework == "cupy":
+        cupy = _module("cupy")
+        with cupy.cuda.Device(device.index):
+            return int(cupy.cuda.get_current_stream().ptr)
+    raise AssertionError(f"{framework} work gets its stream from its own runtime")
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """A GPU array as a kernel sees it: address, shape and strides in elements."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def device_array(x: Any) -> DeviceArray:
+    """Zero-copy description of a CuPy array, torch CUDA tensor, JAX GPU array or JAX GPU
+    callback buffer (the last two through the CUDA array interface)."""
+    framework = framework_of(x)
+    if framework in ("cupy", "torch"):
+        info = describe("array", x)
+        return DeviceArray(device_pointer(x), info.shape, info.strides)
+    cai = x.__cuda_array_interface__
+    shape = tuple(int(n) for n in cai["shape"])
+    itemsize = int(cai["typestr"][2:]) if cai["typestr"][1] in "fiuV" else 1
+    strides = (tuple(int(s) // itemsize for s in cai["strides"]) if cai.get("strides")
+               else _contiguous_strides(shape))
+    return DeviceArray(int(cai["data"][0]), shape, strides)

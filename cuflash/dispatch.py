@@ -1,0 +1,98 @@
+"""Problem -> backend. CPU arrays run the NumPy reference; GPU arrays run the kernel family that
+serves the Problem's op on this GPU. JAX arrays go through `cuflash.jax`, which calls back into
+`execute` from inside XLA's program (jax.experimental.buffer_callback), on XLA's stream."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import arrays, kernels, reference
+from .problem import Problem
+
+# The NumPy reference computes in float64 and takes these input dtypes.
+REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def supported_dtypes(op: str, device: arrays.Device) -> frozenset:
+    """Input dtypes `op` accepts on `device`; empty when no GPU kernel serves `op` yet (then `run`
+    says so)."""
+    if not device.is_cuda:
+        return REFERENCE_DTYPES
+    return frozenset().union(*(f.dtypes for f in kernels.families_for(op)))
+
+
+def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> tuple:
+    """Allocate the outputs (name -> (shape, dtype)) in the caller's framework, run, return them."""
+    if problem.framework == "jax":
+        from . import jax as cuflash_jax
+
+        return cuflash_jax.call(problem, inputs, outputs)
+    allocated = {name: arrays.empty(problem.framework, problem.device, shape, dtype)
+                 for name, (shape, dtype) in outputs.items()}
+    stream = arrays.current_stream(problem.framework, problem.device) if problem.device.is_cuda else None
+    execute(problem, inputs, allocated, stream)
+    return tuple(allocated.values())
+
+
+def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], stream: int | None) -> None:
+    """Fill `outputs` in place: host arrays on the reference, device arrays with a kernel launched
+    on `stream` (a CUDA stream handle)."""
+    if not problem.device.is_cuda:
+        _run_reference(problem, {n: arrays.host_view(x) for n, x in inputs.items()},
+                       {n: arrays.host_view(x) for n, x in outputs.items()})
+        return
+    import cupy
+
+    from . import jit
+
+    device_inputs = {n: arrays.device_array(x) for n, x in inputs.items()}
+    device_outputs = {n: arrays.device_array(x) for n, x in outputs.items()}
+    family, variant = plan(problem, device_inputs)
+    with cupy.cuda.Device(problem.device.index):
+        function = jit.get_function(variant, problem.device.index)
+        family.launch(variant, function, problem, device_inputs, device_outputs,
+                      cupy.cuda.ExternalStream(stream, problem.device.index))
+
+
+def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
+    """The (family, variant) that runs `problem` on its GPU; NotImplementedError saying why not."""
+    from . import jit
+
+    cc = jit.device_compute_capability(problem.device.index)
+    reasons = []
+    for family in kernels.families_for(problem.op):
+        if not family.runs_on(cc):
+            reasons.append(f"{family.name} needs compute capability >= {family.min_compute_capability}")
+            continue
+        if problem.dtype not in family.dtypes:
+            reasons.append(f"{family.name} takes {sorted(family.dtypes)}")
+            continue
+        try:
+            return family, family.select(problem, device_inputs)
+        except ValueError as e:
+            reasons.append(str(e))
+    why = "; ".join(reasons) if reasons else "no GPU kernel family implements this operation yet"
+    raise NotImplementedError(f"cuflash cannot run {problem.op} on GPU {problem.device} "
+                              f"(compute capability {cc[0]}.{cc[1]}, dtype {problem.dtype}, "
+                              f"headdim {problem.headdim}): {why}")
+
+
+def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
+    """The NumPy reference (float64) for every op; results are cast into the outputs' dtypes."""
+    f = problem.features
+    op = problem.op
+    if op == "attention_forward":
+        outs["out"][...], outs["lse"][...] = reference.forward(ins["q"], ins["k"], ins["v"], **f)
+    elif op == "attention_varlen_forward":
+        outs["out"][...], outs["lse"][...] = reference.varlen_forward(
+            ins["q"], ins["k"], ins["v"], ins["cu_seqlens_q"], ins["cu_seqlens_k"], **f)
+    elif op == "attention_backward":
+        outs["dq"][...], outs["dk"][...], outs["dv"][...] = reference.backward(
+            ins["dout"], ins["q"], ins["k"], ins["v"], ins["out"], ins["lse"], **f)
+    elif op == "attention_varlen_backward":
+        outs["dq"][...], outs["dk"][...], outs["dv"][...] = reference.varlen_backward(
+            ins["dout"], ins["q"], ins["k"], ins["v"], ins["out"], ins["lse"],
+            ins["cu_seqlens_q"], ins["cu_seqlens_k"], **f)
+    elif op == "backward_preprocess":
+        outs["delta"][...] = reference.backward_preprocess(ins["dout"], ins["out"])
+    else:
+        raise AssertionError(op)

@@ -1,0 +1,140 @@
+"""From a kernel variant to a loaded function: sources, compile options, caches.
+
+Convention: every family is one C++ `__global__` template in `cuda_src/`; a variant is an
+instantiation named through NVRTC name expressions (`cuflash::bwd_preprocess<cuflash::half_t, 128, ...>`).
+The program compiled for it is just `#include "<family source>"`, so one spelling of the kernel
+serves every variant, on a GPU (cupy.RawModule) and offline (NVRTC through ctypes, for the
+resource and SASS report of `python -m cuflash kernels`). The options are the same on both paths.
+
+Caches: loaded functions per (variant, arch, device) in this process; CuPy's disk cache across
+processes. CuPy's disk-cache key hashes the source string and the options but not the headers an
+`#include` pulls in, so the options carry a hash of every file in cuda_src/: editing a header
+can never serve a stale binary.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@lru_cache(maxsize=None)
+def source_dir() -> Path:
+    """cuda_src/: inside the installed package (cuflash/cuda_src), or at the top of a checkout."""
+    for candidate in (_PACKAGE_DIR / "cuda_src", _PACKAGE_DIR.parent / "cuda_src"):
+        if (candidate / "common").is_dir():
+            return candidate
+    raise FileNotFoundError(f"cuflash's CUDA sources (cuda_src/) are missing: looked in {_PACKAGE_DIR / 'cuda_src'} "
+                            f"and {_PACKAGE_DIR.parent / 'cuda_src'}; reinstall cuflash")
+
+
+@lru_cache(maxsize=None)
+def source_hash() -> str:
+    """sha256 over the relative path and contents of every .cu/.cuh file in cuda_src/."""
+    h = hashlib.sha256()
+    root = source_dir()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def arch_for(compute_capability: tuple[int, int]) -> str:
+    """The arch a GPU's kernels are compiled for: sm_90a on Hopper (wgmma, setmaxnreg are only
+    legal there), the plain sm_XY elsewhere."""
+    major, minor = compute_capability
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def compute_capability_of(arch: str) -> tuple[int, int]:
+    """'sm_90a' -> (9, 0), 'sm_86' -> (8, 6), 'sm_100a' -> (10, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    if not arch.startswith("sm_") or not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"arch must look like sm_80, sm_86, sm_89 or sm_90a; got {arch!r}")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def program_source(variant) -> str:
+    return f'#include "{variant.source}"\n'
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    # -ftz=true: CuPy adds it to every RawModule; named here so the offline compile matches.
+    return ("-std=c++17", f"-arch={arch}", "-ftz=true", f"-I{source_dir()}",
+            f"-DCUFLASH_SOURCE_HASH=0x{source_hash()[:16]}")
+
+
+# ----------------------------------------------------------------------------- on a GPU (CuPy)
+
+def device_compute_capability(device_index: int) -> tuple[int, int]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_index)
+    return int(props["major"]), int(props["minor"])
+
+
+_functions: dict[tuple[str, str, int], object] = {}
+_lock = threading.Lock()
+
+
+def get_function(variant, device_index: int):
+    """The loaded kernel for `variant` on GPU `device_index`, compiled on first use."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        arch = arch_for(device_compute_capability(device_index))
+        key = (variant.uri, arch, device_index)
+        with _lock:
+            function = _functions.get(key)
+            if function is None:
+                module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
+                                        name_expressions=[variant.name_expression])
+                function = _functions[key] = module.get_function(variant.name_expression)
+                function.compile()  # compile and load now, not at the first launch
+        return function
+
+
+def clear_cache() -> None:
+    """Forget loaded functions (the next get_function reloads from CuPy's disk cache)."""
+    with _lock:
+        _functions.clear()
+
+
+# ----------------------------------------------------------------------------- offline (no GPU)
+
+
+def offline_report(arch: str, variants, jobs: int = 2) -> list[dict]:
+    """Compile each variant for `arch` with NVRTC (no GPU needed) and read back ptxas' own -v
+    report and the SASS opcode histogram (nvdisasm). One dict per variant."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import toolchain
+
+    options = (*compile_options(arch), "-Xptxas=-v")
+
+    def one(variant) -> dict:
+        program = toolchain.compile_cubin(program_source(variant), name=f"{variant.family}_instance.cu", options=options,
+                                          name_expressions=[variant.name_expression])
+        mangled = program.lowered_names[variant.name_expression]
+        resources = toolchain.parse_ptxas_report(program.log)[mangled]
+        opcodes = toolchain.sass_opcode_histogram(program.cubin)[mangled]
+        return dict(
+            uri=variant.uri,
+            family=variant.family,
+            arch=arch,
+            name_expression=variant.name_expression,
+            registers=resources.registers,
+            spill_store_bytes=resources.spill_stores,
+            spill_load_bytes=resources.spill_loads,
+            stack_frame_bytes=resources.stack_frame,
+            static_shared_bytes=resources.shared_static,
+            dynamic_shared_bytes=variant.dynamic_shared_bytes,
+            local_memory_instructions=opcodes.get("LDL", 0) + opcodes.get("STL", 0),
+            sass_opcodes=dict(sorted(opcodes.items(), key=lambda kv: (-kv[1], kv[0]))),
+        )
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, variants))

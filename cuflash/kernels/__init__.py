@@ -1,0 +1,88 @@
+"""The registry of kernel families.
+
+A family is one `__global__` template in `cuda_src/` plus the Python that knows it: its variant
+record (every compile-time choice, validated, yielding its URI and C++ name expression), the
+variants it offers, the archs it runs on, which Problems it accepts and how it launches.
+Adding a family is one module here and one line in `FAMILIES`; tests, `python -m cuflash kernels`
+and `build` enumerate this registry, so a new variant is covered the day it is added.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable
+
+# C++ spelling of each element type, as cuda_src/common/types.cuh defines it.
+CXX_TYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instantiation of a family's kernel template. Subclasses add their fields (in template
+    argument order where they are template arguments) and implement `template_args` and `check`."""
+
+    family: ClassVar[str]
+    source: ClassVar[str]  # file in cuda_src/
+    template: ClassVar[str]  # qualified C++ name of the __global__ template
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError for an illegal combination (the kernel static_asserts the same)."""
+
+    def template_args(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        """Dynamic shared memory the launch asks for (the launcher raises the function's limit above 48 KiB)."""
+        return 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.template}<{', '.join(self.template_args())}>"
+
+    @property
+    def uri(self) -> str:
+        """A readable, unique name: family and every field, e.g. bwd_preprocess/dtype=bf16/headdim=128/..."""
+        parts = [self.family]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            parts.append(f"{f.name}={SHORT_DTYPE.get(value, value)}")
+        return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    op: str  # the Problem.op it serves
+    description: str
+    variant_type: type
+    variants: tuple  # every variant it offers; `build` and the offline report compile all of them
+    min_compute_capability: tuple[int, int]
+    select: Callable[[Any, Any], Variant]  # (problem, inputs) -> variant; ValueError if it can't serve it
+    launch: Callable[..., None]  # (variant, function, problem, inputs, outputs, stream)
+    dtypes: frozenset = frozenset(CXX_TYPES)
+
+    def runs_on(self, compute_capability: tuple[int, int]) -> bool:
+        return tuple(compute_capability) >= self.min_compute_capability
+
+
+def _families() -> tuple[Family, ...]:
+    from . import bwd_preprocess
+
+    return (bwd_preprocess.FAMILY,)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in _families()}
+
+
+def families_for(op: str) -> list[Family]:
+    return [f for f in FAMILIES.values() if f.op == op]
+
+
+def all_variants() -> Iterable[Variant]:
+    for family in FAMILIES.values():
+        yield from family.variants

@@ -1,0 +1,91 @@
+"""bwd_preprocess: delta = rowsum(dout * out) in fp32, the first step of the FlashAttention
+backward (cuda_src/bwd_preprocess.cu). Memory-bound: it reads dout and out once and writes
+4 bytes per row."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import CXX_TYPES, Family, Variant
+
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+THREADS = 128
+VECTOR_BYTES = 16
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+@dataclass(frozen=True)
+class BwdPreprocessVariant(Variant):
+    family = "bwd_preprocess"
+    source = "bwd_preprocess.cu"
+    template = "cuflash::bwd_preprocess"
+
+    dtype: str
+    headdim: int
+    vec: int  # elements per load: 8 (16-byte loads, needs 16-byte aligned rows) or 1
+    threads: int = THREADS
+
+    def check(self) -> None:
+        if self.dtype not in CXX_TYPES:
+            raise ValueError(f"bwd_preprocess: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.vec not in (1, 8) or self.headdim % self.vec:
+            raise ValueError(f"bwd_preprocess: vec={self.vec} must be 1 or 8 and divide headdim={self.headdim}")
+        if self.threads % 32 or self.threads % self.lanes_per_row:
+            raise ValueError(f"bwd_preprocess: threads={self.threads} must be whole warps")
+
+    @property
+    def lanes_per_row(self) -> int:
+        """Lanes sharing one row: enough to cover the row's vectors, a power of two, at most a warp."""
+        vectors = self.headdim // self.vec
+        return min(32, 1 << (vectors - 1).bit_length())
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.threads // self.lanes_per_row
+
+    def template_args(self) -> tuple[str, ...]:
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.vec), str(self.lanes_per_row), str(self.threads))
+
+
+VARIANTS = tuple(BwdPreprocessVariant(dtype, headdim, vec)
+                 for dtype in sorted(CXX_TYPES) for headdim in HEADDIMS for vec in (8, 1))
+
+
+def _aligned(array, itemsize: int) -> bool:
+    """Every row of `array` (a DeviceArray) starts on a VECTOR_BYTES boundary."""
+    return array.ptr % VECTOR_BYTES == 0 and all((s * itemsize) % VECTOR_BYTES == 0 for s in array.strides[:-1])
+
+
+def select(problem, inputs) -> BwdPreprocessVariant:
+    if problem.headdim not in HEADDIMS:
+        raise ValueError(f"bwd_preprocess has no variant for headdim {problem.headdim} (has {HEADDIMS})")
+    vec = 8 if all(_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
+    return BwdPreprocessVariant(problem.dtype, problem.headdim, vec)
+
+
+def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
+    if problem.batch * problem.nheads * problem.seqlen_q == 0:
+        return
+    if problem.batch > MAX_GRID_YZ or problem.nheads > MAX_GRID_YZ:
+        raise ValueError(f"bwd_preprocess launches one block row per (head, batch): batch {problem.batch} and "
+                         f"nheads {problem.nheads} must each be at most {MAX_GRID_YZ}")
+    out, dout, delta = inputs["out"], inputs["dout"], outputs["delta"]
+    grid = ((problem.seqlen_q + variant.rows_per_block - 1) // variant.rows_per_block, problem.nheads, problem.batch)
+    args = (np.uint64(out.ptr), np.uint64(dout.ptr), np.uint64(delta.ptr),
+            np.int32(problem.seqlen_q), np.int32(problem.nheads),
+            *(np.int64(s) for s in out.strides[:3]), *(np.int64(s) for s in dout.strides[:3]))
+    with stream:
+        function(grid, (variant.threads,), args)
+
+
+FAMILY = Family(
+    name="bwd_preprocess",
+    op="backward_preprocess",
+    description="delta = rowsum(dout * out) in fp32, the FlashAttention backward's first step",
+    variant_type=BwdPreprocessVariant,
+    variants=VARIANTS,
+    min_compute_capability=(8, 0),
+    select=select,
+    launch=launch,
+)

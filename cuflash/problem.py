@@ -1,0 +1,61 @@
+"""The validated description of one call: what `api` builds and everything below it consumes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arrays import Device
+
+# The operations cuflash runs. Each backend (the NumPy reference, or a kernel family) names the
+# ones it implements; `dispatch` routes a Problem by its op.
+OPS = (
+    "attention_forward",
+    "attention_varlen_forward",
+    "attention_backward",
+    "attention_varlen_backward",
+    "backward_preprocess",
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Shapes, dtype, device and features of one call, after every argument check.
+
+    For varlen ops `batch` is the number of sequences and `seqlen_q`/`seqlen_k` are the callers'
+    max_seqlen_q/max_seqlen_k; `total_q`/`total_k` are the packed lengths (0 for dense ops).
+    `window_left`/`window_right` already include `causal` (causal means right = 0); -1 is unbounded.
+    """
+
+    op: str
+    framework: str
+    device: Device
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    softmax_scale: float = 1.0
+    softcap: float = 0.0
+    total_q: int = 0
+    total_k: int = 0
+
+    def __post_init__(self):
+        assert self.op in OPS, self.op
+
+    @property
+    def varlen(self) -> bool:
+        return self.op.startswith("attention_varlen")
+
+    @property
+    def features(self) -> dict:
+        """The keyword semantics the reference and the kernels share."""
+        return dict(
+            causal=self.causal,
+            window=(self.window_left, self.window_right),
+            softmax_scale=self.softmax_scale,
+            softcap=self.softcap,
+        )

@@ -1,0 +1,38 @@
+"""Test configuration: hypothesis profiles and the `gpu` marker.
+
+Profiles (choose with --hypothesis-profile=NAME; `ci` is the default):
+  ci       300 examples per property, derandomized: the same examples every run (CI).
+  dev      50 examples, for quick local iterations.
+  explore  1000 random examples, to look for new failures.
+  gpu      derandomized profile for the GPU suites (examples set per test).
+"""
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", max_examples=300, derandomize=True, **_common)
+settings.register_profile("dev", max_examples=50, derandomize=True, **_common)
+settings.register_profile("explore", max_examples=1000, derandomize=False, **_common)
+settings.register_profile("gpu", max_examples=200, derandomize=True, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA driver and device); runs on the lent GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
