@@ -183,6 +183,21 @@ def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) ->
     raise AssertionError(f"outputs of {framework} arrays are allocated by the framework itself")
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle, spoken in the CUDA stream protocol that CuPy takes."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int):
+    """A CuPy stream object for a raw handle (torch's, XLA's or CuPy's own), for launching on it."""
+    return _module("cupy").cuda.Stream.from_external(_StreamHandle(ptr))
+
+
 def current_stream(framework: str, device: Device) -> int:
     """The handle of the caller's current CUDA stream for `device` (torch's or CuPy's)."""
     if framework == "torch":

@@ -50,7 +50,7 @@ def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], s
     with cupy.cuda.Device(problem.device.index):
         function = jit.get_function(variant, problem.device.index)
         family.launch(variant, function, problem, device_inputs, device_outputs,
-                      cupy.cuda.ExternalStream(stream, problem.device.index))
+                      arrays.cupy_stream(stream))
 
 
 def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):

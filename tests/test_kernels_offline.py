@@ -1,0 +1,56 @@
+"""Every registered variant compiles offline (no GPU) for sm_80 and sm_90a, with zero spills and
+no local memory: the check CI runs on each change to cuda_src/ or the registry."""
+import pytest
+
+from cuflash import jit, kernels
+
+
+@pytest.fixture(scope="module", params=["sm_80", "sm_90a"])
+def report(request):
+    arch = request.param
+    cc = jit.compute_capability_of(arch)
+    variants = [v for f in kernels.FAMILIES.values() if f.runs_on(cc) for v in f.variants]
+    return arch, variants, jit.offline_report(arch, variants)
+
+
+def test_every_variant_compiles_without_spills_or_local_memory(report):
+    arch, variants, rows = report
+    assert [r["uri"] for r in rows] == [v.uri for v in variants]
+    for r in rows:
+        assert r["registers"] > 0, r
+        assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
+        assert r["stack_frame_bytes"] == 0, r
+        assert r["local_memory_instructions"] == 0, r
+        assert r["sass_opcodes"].get("EXIT", 0) >= 1, r
+
+
+def test_bwd_preprocess_sass_matches_its_design(report):
+    """16-byte vector loads where the variant asks for them, a warp-shuffle reduction, no division."""
+    _, _, rows = report
+    for r in rows:
+        if r["family"] != "bwd_preprocess":
+            continue
+        ops = r["sass_opcodes"]
+        assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) == 1, r["uri"]
+        assert ops.get("SHFL", 0) >= 1, r["uri"]
+        assert "CALL" not in ops, f"{r['uri']} calls a subroutine (integer division?)"
+
+
+def test_uris_and_name_expressions_are_unique():
+    variants = list(kernels.all_variants())
+    assert len({v.uri for v in variants}) == len(variants)
+    assert len({v.name_expression for v in variants}) == len(variants)
+
+
+def test_source_hash_is_in_the_compile_options():
+    assert any(o.startswith("-DCUFLASH_SOURCE_HASH=0x") and jit.source_hash()[:16] in o
+               for o in jit.compile_options("sm_90a"))
+
+
+def test_illegal_variants_are_refused():
+    from cuflash.kernels.bwd_preprocess import BwdPreprocessVariant
+
+    with pytest.raises(ValueError, match="vec"):
+        BwdPreprocessVariant("float16", 100, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        BwdPreprocessVariant("float32", 128, 8)
