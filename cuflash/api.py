@@ -15,6 +15,7 @@ from .arrays import ArrayInfo
 from .problem import Problem
 
 _ATTENTION_LAYOUT = "(batch, seqlen, nheads, headdim)"
+_INT32_MAX = 2**31 - 1  # kernels take window bounds and lengths as int32
 _VARLEN_LAYOUT = "(total_tokens, nheads, headdim)"
 
 
@@ -43,9 +44,10 @@ def _check_rank(info: ArrayInfo, rank: int, layout: str) -> None:
 
 
 def _check_unit_last_stride(info: ArrayInfo) -> None:
-    if info.shape[-1] > 1 and info.strides[-1] != 1:
+    # An empty array has no element to reach, and NumPy reports zero strides for it.
+    if math.prod(info.shape) and info.shape[-1] > 1 and info.strides[-1] != 1:
         raise ValueError(
-            f"{info.name} must have unit stride on its last (head) dimension; got strides {info.strides} "
+            f"{info.name} must have unit stride on its last dimension; got strides {info.strides} "
             f"(in elements). Make it contiguous first: {info.contiguous_fix}"
         )
 
@@ -79,21 +81,30 @@ def _features(headdim: int, causal: Any, softmax_scale: Any, window: Any, softca
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)):
         raise TypeError(f"window must be a pair of ints (left, right), -1 meaning unbounded; got {window!r}")
-    if min(window) < -1:
-        raise ValueError(f"window values must be >= -1 (-1 means unbounded); got {tuple(window)}")
+    if min(window) < -1 or max(window) > _INT32_MAX:
+        raise ValueError(f"window values must be in [-1, {_INT32_MAX}] (-1 means unbounded); got {tuple(window)}")
     left, right = reference.window_bounds(bool(causal), (int(window[0]), int(window[1])))
-    if not isinstance(softcap, (int, float, np.floating, np.integer)) or isinstance(softcap, bool):
-        raise TypeError(f"softcap must be a float; got {softcap!r}")
-    if not math.isfinite(softcap) or softcap < 0:
+    softcap = _finite_float("softcap", softcap, "a finite float >= 0 (0 turns it off)")
+    if softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off); got {softcap}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(headdim)
-    elif not isinstance(softmax_scale, (int, float, np.floating, np.integer)) or isinstance(softmax_scale, bool):
-        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(headdim)); got {softmax_scale!r}")
-    elif not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    else:
+        softmax_scale = _finite_float("softmax_scale", softmax_scale, "a finite float, or None for 1/sqrt(headdim)")
     return dict(causal=bool(causal), window_left=left, window_right=right,
-                softmax_scale=float(softmax_scale), softcap=float(softcap))
+                softmax_scale=softmax_scale, softcap=softcap)
+
+
+def _finite_float(name: str, value: Any, expected: str) -> float:
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}; got {value!r}")
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be {expected}; got {value!r}")
+    return result
 
 
 def _check_return_lse(return_lse: Any) -> bool:
@@ -178,6 +189,7 @@ def _check_lse(info: ArrayInfo, shape: tuple[int, ...]) -> None:
     if info.dtype != "float32":
         raise TypeError(f"lse must be float32 (as the forward returns it); got {info.dtype}")
     _check_shape(info, shape, "(as the forward returns it)")
+    _check_unit_last_stride(info)
 
 
 def backward_preprocess(dout, out):
@@ -224,8 +236,10 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
     if len(info.shape) != 1 or info.shape[0] < 2:
         raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2; got shape {info.shape}")
     _check_unit_last_stride(info)
-    if not isinstance(max_seqlen, (int, np.integer)) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+    if not isinstance(max_seqlen, (int, np.integer)) or isinstance(max_seqlen, bool):
         raise TypeError(f"{max_name} must be a non-negative int; got {max_seqlen!r}")
+    if not 0 <= max_seqlen <= _INT32_MAX:
+        raise ValueError(f"{max_name} must be in [0, {_INT32_MAX}]; got {max_seqlen}")
     values = _read_cu_seqlens(x)
     if values is not None:
         values = np.asarray(values, dtype=np.int64)

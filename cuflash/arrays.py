@@ -94,6 +94,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _element_strides(name: str, byte_strides: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    if any(s % itemsize for s in byte_strides):
+        raise ValueError(f"{name} has byte strides {tuple(byte_strides)} that are not multiples of its item size "
+                         f"({itemsize}); pass a plain contiguous array (e.g. numpy.ascontiguousarray(x))")
+    return tuple(s // itemsize for s in byte_strides)
+
+
 def describe(name: str, x: Any) -> ArrayInfo:
     """Describe argument `name`; TypeError (naming it) if it is not an array cuflash takes."""
     framework = framework_of(x)
@@ -103,14 +110,18 @@ def describe(name: str, x: Any) -> ArrayInfo:
         )
     shape = tuple(int(n) for n in x.shape)
     if framework == "numpy":
-        itemsize = x.dtype.itemsize
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"{name} is a masked array; cuflash would ignore its mask. Pass a plain array "
+                            "and express masking with causal/window")
         return ArrayInfo(name, framework, Device("cpu"), _dtype_name(framework, x.dtype), shape,
-                         tuple(s // itemsize for s in x.strides))
+                         _element_strides(name, x.strides, x.dtype.itemsize))
     if framework == "cupy":
-        itemsize = x.dtype.itemsize
         return ArrayInfo(name, framework, Device("cuda", int(x.device.id)), _dtype_name(framework, x.dtype), shape,
-                         tuple(s // itemsize for s in x.strides))
+                         _element_strides(name, x.strides, x.dtype.itemsize))
     if framework == "torch":
+        if x.layout != _module("torch").strided:
+            raise TypeError(f"{name} is a torch tensor with layout {x.layout}; cuflash takes dense (strided) "
+                            "tensors: convert with x.to_dense()")
         dev = x.device
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"{name} is on torch device {dev}; cuflash runs on 'cpu' (reference) or 'cuda'")
