@@ -213,22 +213,6 @@ def backward_preprocess(dout, out):
 # ----------------------------------------------------------------------------- varlen attention
 
 
-def _read_cu_seqlens(x: Any) -> np.ndarray | None:
-    """The values of a cu_seqlens array on the host (a small copy; GPU arrays synchronise), or
-    None for a JAX tracer, whose values are unknown until it runs."""
-    framework = arrays.framework_of(x)
-    if framework == "numpy":
-        return x
-    if framework == "cupy":
-        return x.get()
-    if framework == "torch":
-        return x.detach().cpu().numpy()
-    jax = arrays._module("jax")
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
 def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: str, max_seqlen: Any) -> int:
     """Check one cu_seqlens array against the packed length; return the number of sequences."""
     if info.dtype != "int32":
@@ -240,7 +224,7 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
         raise TypeError(f"{max_name} must be a non-negative int; got {max_seqlen!r}")
     if not 0 <= max_seqlen <= _INT32_MAX:
         raise ValueError(f"{max_name} must be in [0, {_INT32_MAX}]; got {max_seqlen}")
-    values = _read_cu_seqlens(x)
+    values = arrays.small_host_copy(x)
     if values is not None:
         values = np.asarray(values, dtype=np.int64)
         if values[0] != 0:

@@ -69,6 +69,7 @@ def compile_options(arch: str) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- on a GPU (CuPy)
 
+@lru_cache(maxsize=None)
 def device_compute_capability(device_index: int) -> tuple[int, int]:
     import cupy
 

@@ -48,3 +48,10 @@ def test_installed_package_finds_its_sources_and_compiles(wheel, tmp_path):
     assert Path(source_dir) == target / "cuflash" / "cuda_src"
     assert source_hash == jit.source_hash()  # the same files as the checkout
     assert compiled == "True"
+
+
+def test_import_touches_no_framework_and_no_gpu():
+    probe = ("import sys, cuflash\n"
+             "print(sorted(m for m in ('cupy', 'torch', 'jax', 'cuflash.toolchain') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -59,7 +59,6 @@ class Family:
     name: str
     op: str  # the Problem.op it serves
     description: str
-    variant_type: type
     variants: tuple  # every variant it offers; `build` and the offline report compile all of them
     min_compute_capability: tuple[int, int]
     select: Callable[[Any, Any], Variant]  # (problem, inputs) -> variant; ValueError if it can't serve it

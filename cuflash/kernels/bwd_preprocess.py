@@ -83,7 +83,6 @@ FAMILY = Family(
     name="bwd_preprocess",
     op="backward_preprocess",
     description="delta = rowsum(dout * out) in fp32, the FlashAttention backward's first step",
-    variant_type=BwdPreprocessVariant,
     variants=VARIANTS,
     min_compute_capability=(8, 0),
     select=select,
