@@ -98,12 +98,6 @@ def get_function(variant, device_index: int):
         return function
 
 
-def clear_cache() -> None:
-    """Forget loaded functions (the next get_function reloads from CuPy's disk cache)."""
-    with _lock:
-        _functions.clear()
-
-
 # ----------------------------------------------------------------------------- offline (no GPU)
 
 
