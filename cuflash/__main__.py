@@ -71,33 +71,20 @@ def cmd_info(args) -> int:
             here = "no GPU here"
         else:
             here = "runs here" if family.runs_on(cc_here) else f"needs compute capability >= {need}"
-        print(f"  {family.name:<18} {family.op:<24} {len(family.variants):>3} variants, "
-              f"compute capability >= {need}: {here}")
+        print(f"  {family.name:<18} {', '.join(family.ops):<50} compute capability >= {need}: {here}")
         print(f"  {'':<18} {family.description}")
     return 0
 
 
-def _variants_for(compute_capability, family_names):
-    from . import kernels
-
-    chosen = []
-    for family in kernels.FAMILIES.values():
-        if family_names and family.name not in family_names:
-            continue
-        if family.runs_on(compute_capability):
-            chosen.extend(family.variants)
-    return chosen
-
-
 def cmd_kernels(args) -> int:
-    from . import jit
+    from . import jit, kernels
 
     try:
         cc = jit.compute_capability_of(args.arch)
     except ValueError as e:
         print(f"cuflash kernels: {e}", file=sys.stderr)
         return 2
-    variants = _variants_for(cc, args.family)
+    variants = kernels.variants_for(cc, args.family)
     start = time.perf_counter()
     report = jit.offline_report(args.arch, variants, jobs=args.jobs)
     elapsed = time.perf_counter() - start
@@ -134,11 +121,11 @@ def cmd_build(args) -> int:
         return 1
     import subprocess
 
-    from . import jit
+    from . import jit, kernels
 
     device = gpus[args.device]
     cc = device["compute_capability"]
-    variants = _variants_for(cc, args.family)
+    variants = kernels.variants_for(cc, args.family)
     if args.load_only:  # the child process below: everything comes from CuPy's disk cache
         print(json.dumps(_load_times(variants, device["index"])))
         return 0

@@ -287,13 +287,15 @@ def _feature_cases():
         ("softmax_scale-inf", ValueError, r"^softmax_scale must be a finite float.*; got inf", dict(softmax_scale=math.inf)),
         ("softmax_scale-minus-inf", ValueError, r"^softmax_scale must be a finite float.*", dict(softmax_scale=-math.inf)),
         ("softmax_scale-np-inf", ValueError, r"^softmax_scale must be a finite float.*", dict(softmax_scale=np.float64("inf"))),
-        ("softmax_scale-str", TypeError, r"^softmax_scale must be a finite float, or None.*got '0\.5'", dict(softmax_scale="0.5")),
-        ("softmax_scale-list", TypeError, r"^softmax_scale must be a finite float, or None", dict(softmax_scale=[0.5])),
-        ("softmax_scale-complex", TypeError, r"^softmax_scale must be a finite float, or None", dict(softmax_scale=1j)),
-        ("softmax_scale-bool", TypeError, r"^softmax_scale must be a finite float, or None", dict(softmax_scale=True)),
-        ("softmax_scale-tensor", TypeError, r"^softmax_scale must be a finite float, or None", dict(softmax_scale=torch.tensor(0.5))),
+        ("softmax_scale-str", TypeError, r"^softmax_scale must be a finite float > 0, or None.*got '0\.5'", dict(softmax_scale="0.5")),
+        ("softmax_scale-list", TypeError, r"^softmax_scale must be a finite float > 0, or None", dict(softmax_scale=[0.5])),
+        ("softmax_scale-complex", TypeError, r"^softmax_scale must be a finite float > 0, or None", dict(softmax_scale=1j)),
+        ("softmax_scale-bool", TypeError, r"^softmax_scale must be a finite float > 0, or None", dict(softmax_scale=True)),
+        ("softmax_scale-tensor", TypeError, r"^softmax_scale must be a finite float > 0, or None", dict(softmax_scale=torch.tensor(0.5))),
         # Python ints too large for a float: still bad input, to be refused naming the argument.
         ("softcap-huge-int", ValueError, r"^softcap must be a finite", dict(softcap=10 ** 400)),
+        ("softmax_scale-zero", ValueError, r"^softmax_scale must be a finite float > 0.*got 0", dict(softmax_scale=0.0)),
+        ("softmax_scale-negative", ValueError, r"^softmax_scale must be a finite float > 0.*got -0\.5", dict(softmax_scale=-0.5)),
         ("softmax_scale-huge-int", ValueError, r"^softmax_scale must be a finite float.*", dict(softmax_scale=10 ** 400)),
     ]
     for label, exc, match, kw in cases:

@@ -178,8 +178,8 @@ def test_jax_jit_runs_the_kernel_inside_xla():
     assert jnp.asarray(got).dtype == jnp.float32
 
 
-def test_gpu_attention_refuses_plainly_until_a_forward_kernel_exists():
+def test_gpu_attention_refuses_an_unsupported_head_dim_plainly():
     torch = _torch()
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="attention_forward.*no GPU kernel family"):
+    q = torch.randn(1, 16, 2, 12, device="cuda", dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="attention_forward.*head dims that are multiples of 8.*got 12"):
         cuflash.attention(q, q, q)

@@ -9,7 +9,7 @@ from cuflash import jit, kernels
 def report(request):
     arch = request.param
     cc = jit.compute_capability_of(arch)
-    variants = [v for f in kernels.FAMILIES.values() if f.runs_on(cc) for v in f.variants]
+    variants = kernels.variants_for(cc)
     return arch, variants, jit.offline_report(arch, variants)
 
 
@@ -37,7 +37,8 @@ def test_bwd_preprocess_sass_matches_its_design(report):
 
 
 def test_uris_and_name_expressions_are_unique():
-    variants = list(kernels.all_variants())
+    variants = kernels.variants_for((8, 0)) + kernels.variants_for((9, 0)) + kernels.variants_for((8, 6))
+    variants = list({v.uri: v for v in variants}.values())
     assert len({v.uri for v in variants}) == len(variants)
     assert len({v.name_expression for v in variants}) == len(variants)
 
@@ -54,3 +55,14 @@ def test_illegal_variants_are_refused():
         BwdPreprocessVariant("float16", 100, 8)
     with pytest.raises(ValueError, match="dtype"):
         BwdPreprocessVariant("float32", 128, 8)
+
+
+def test_fwd_sm80_sass_uses_the_tensor_core_path(report):
+    """mma.sync -> HMMA, ldmatrix -> LDSM, cp.async -> LDGSTS, exp2 on the SFU -> MUFU."""
+    _, _, rows = report
+    fwd = [r for r in rows if r["family"] == "fwd_sm80"]
+    assert fwd
+    for r in fwd:
+        ops = r["sass_opcodes"]
+        for opcode in ("HMMA", "LDSM", "LDGSTS", "MUFU"):
+            assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"

@@ -4,6 +4,9 @@
 
 namespace cuflash {
 
+// No <cmath> under NVRTC without the toolkit headers: infinity from its bits.
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
 

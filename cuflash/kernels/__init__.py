@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar
 
 # C++ spelling of each element type, as cuda_src/common/types.cuh defines it.
 CXX_TYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
@@ -54,14 +54,26 @@ class Variant:
         return "/".join(parts)
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+def check_grid_yz(family: str, nheads: int, batch: int) -> None:
+    """Families that launch one block row per (head, batch) on grid y and z."""
+    if nheads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"{family} launches one block row per (head, batch): nheads {nheads} and batch {batch} "
+                         f"must each be at most {MAX_GRID_YZ}")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
-    op: str  # the Problem.op it serves
+    ops: tuple[str, ...]  # the Problem.ops it serves
     description: str
-    variants: tuple  # every variant it offers; `build` and the offline report compile all of them
     min_compute_capability: tuple[int, int]
-    select: Callable[[Any, Any], Variant]  # (problem, inputs) -> variant; ValueError if it can't serve it
+    # (compute capability) -> the variants this family would use on that arch; `build` and the
+    # offline report compile exactly these
+    variants_for: Callable[[tuple[int, int]], tuple]
+    select: Callable[[Any, Any], Variant]  # (problem, device inputs) -> variant; ValueError if it can't serve it
     launch: Callable[..., None]  # (variant, function, problem, inputs, outputs, stream)
     dtypes: frozenset = frozenset(CXX_TYPES)
 
@@ -70,18 +82,19 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess
+    from . import bwd_preprocess, fwd_sm80
 
-    return (bwd_preprocess.FAMILY,)
+    return (fwd_sm80.FAMILY, bwd_preprocess.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}
 
 
 def families_for(op: str) -> list[Family]:
-    return [f for f in FAMILIES.values() if f.op == op]
+    return [f for f in FAMILIES.values() if op in f.ops]
 
 
-def all_variants() -> Iterable[Variant]:
-    for family in FAMILIES.values():
-        yield from family.variants
+def variants_for(compute_capability: tuple[int, int], family_names=None) -> list[Variant]:
+    """Every variant the registered families would use on a GPU of this compute capability."""
+    return [v for f in FAMILIES.values() if (not family_names or f.name in family_names) and f.runs_on(compute_capability)
+            for v in f.variants_for(compute_capability)]

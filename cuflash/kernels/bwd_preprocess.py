@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant
+from . import CXX_TYPES, Family, Variant, check_grid_yz
 
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 THREADS = 128
 VECTOR_BYTES = 16
-MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 
 @dataclass(frozen=True)
@@ -67,9 +66,7 @@ def select(problem, inputs) -> BwdPreprocessVariant:
 def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
     if problem.batch * problem.nheads * problem.seqlen_q == 0:
         return
-    if problem.batch > MAX_GRID_YZ or problem.nheads > MAX_GRID_YZ:
-        raise ValueError(f"bwd_preprocess launches one block row per (head, batch): batch {problem.batch} and "
-                         f"nheads {problem.nheads} must each be at most {MAX_GRID_YZ}")
+    check_grid_yz("bwd_preprocess", problem.nheads, problem.batch)
     out, dout, delta = inputs["out"], inputs["dout"], outputs["delta"]
     grid = ((problem.seqlen_q + variant.rows_per_block - 1) // variant.rows_per_block, problem.nheads, problem.batch)
     args = (np.uint64(out.ptr), np.uint64(dout.ptr), np.uint64(delta.ptr),
@@ -81,9 +78,9 @@ def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, st
 
 FAMILY = Family(
     name="bwd_preprocess",
-    op="backward_preprocess",
+    ops=("backward_preprocess",),
     description="delta = rowsum(dout * out) in fp32, the FlashAttention backward's first step",
-    variants=VARIANTS,
+    variants_for=lambda compute_capability: VARIANTS,
     min_compute_capability=(8, 0),
     select=select,
     launch=launch,

@@ -1,0 +1,293 @@
+// FlashAttention-2 forward for sm_80+: mma.sync m16n8k16, ldmatrix, cp.async.
+//
+// One CTA owns kBlockM query rows of one (batch, head); each of its kWarps warps owns
+// kBlockM / kWarps of those rows, so the online softmax never crosses warps. The CTA walks the
+// key blocks its rows can see from last to first (fully masked blocks are never visited), with
+// K and V tiles in shared memory, padded by 16 bytes a row so ldmatrix is conflict-free:
+//
+//   S = Q K^T        Q from shared memory (ldmatrix), K as the column-major B operand (ldmatrix)
+//   online softmax   on the S accumulators, in the log2 domain (exp2, scale * log2(e) folded in)
+//   O += P V         P re-packed from the S accumulators as the A operand, V through ldmatrix.trans
+//
+// V[n] is fetched while S[n] is computed and K[n-1] while O += P V[n] runs. O is divided by the
+// row sum once, at the end, then staged through shared memory for 16-byte stores; the LSE goes
+// out in natural log. Rows beyond seqlen_q, keys beyond seqlen_k and head-dim columns beyond
+// `headdim` (kHeadDim is the padded size) are zero-filled on load and never stored.
+#include "common/sm80.cuh"
+
+namespace cuflash {
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kVarlen, bool kSoftcap>
+__global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+    float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+    int seqlen_q, int seqlen_k, int group, int headdim,
+    long long q_stride_b, long long q_stride_s, long long q_stride_h,
+    long long k_stride_b, long long k_stride_s, long long k_stride_h,
+    long long v_stride_b, long long v_stride_s, long long v_stride_h,
+    long long o_stride_b, long long o_stride_s, long long o_stride_h,
+    long long lse_stride_b, long long lse_stride_h,
+    float scale_log2, float softcap_scale, float softcap, int window_left, int window_right) {
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kRowsPerWarp = kBlockM / kWarps;
+  constexpr int kMTiles = kRowsPerWarp / 16;   // m16 tiles per warp
+  constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S
+  constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O
+  constexpr int kStride = kHeadDim + 8;        // shared-memory row, in elements: +16 bytes of padding
+  constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over keys and head dim");
+  static_assert(sizeof(T) == 2, "fp16 / bf16");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * kStride;
+  T* sV = sK + kBlockN * kStride;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (latest, for causal) blocks first
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int h_kv = h / group;
+
+  // This sequence's extent and where its rows start.
+  long long q_row0 = 0, k_row0 = 0;
+  if constexpr (kVarlen) {
+    q_row0 = cu_seqlens_q[b];
+    k_row0 = cu_seqlens_k[b];
+    seqlen_q = cu_seqlens_q[b + 1] - static_cast<int>(q_row0);
+    seqlen_k = cu_seqlens_k[b + 1] - static_cast<int>(k_row0);
+  }
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;  // a varlen sequence shorter than the grid
+
+  const T* q_base = q + (kVarlen ? q_row0 * q_stride_s : b * q_stride_b) + h * q_stride_h;
+  const T* k_base = k + (kVarlen ? k_row0 * k_stride_s : b * k_stride_b) + h_kv * k_stride_h;
+  const T* v_base = v + (kVarlen ? k_row0 * v_stride_s : b * v_stride_b) + h_kv * v_stride_h;
+
+  // Keys any row of this block can see: query i sees key j iff
+  // i + offset - left <= j <= i + offset + right (bottom-right aligned; -1 = unbounded).
+  const int offset = seqlen_k - seqlen_q;
+  const int row_last = min(m0 + kBlockM, seqlen_q) - 1;
+  const int key_lo = window_left >= 0 ? max(0, m0 + offset - window_left) : 0;
+  const int key_hi = window_right >= 0 ? min(seqlen_k, row_last + offset + window_right + 1) : seqlen_k;
+  const int n_min = key_lo / kBlockN;
+  const int n_max = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_min;
+
+  // Tile loads: consecutive threads take consecutive 16-byte chunks of a row (coalesced). Each
+  // thread keeps one chunk column and steps down the tile kRowsPerPass rows at a time, so a tile
+  // load costs one pointer and no index arithmetic per chunk. A row's chunks are spread over a
+  // power-of-two number of threads; with 12, 20 or 28 chunks (head dims 96, 160, 224) the extra
+  // threads sit out.
+  constexpr int kChunkThreads = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = kThreads / kChunkThreads;
+  const int tile_row = tid / kChunkThreads;
+  const int tile_col = (tid % kChunkThreads) * 8;
+  const bool col_valid = tile_col < headdim;
+  auto load_tile = [&](T* dst, const T* src, long long stride_s, int row0, int rows, int valid_rows) {
+    static_assert(kBlockM % kRowsPerPass == 0 && kBlockN % kRowsPerPass == 0, "whole passes per tile");
+    if (tile_col >= kHeadDim) return;
+    const T* src_row = src + (row0 + tile_row) * stride_s + tile_col;
+    const unsigned dst_row = smem_u32(dst + tile_row * kStride + tile_col);
+#pragma unroll
+    for (int pass = 0; pass < rows / kRowsPerPass; ++pass) {
+      const bool valid = col_valid && row0 + tile_row + pass * kRowsPerPass < valid_rows;
+      cp_async_16(dst_row + pass * kRowsPerPass * kStride * 2, valid ? src_row + pass * kRowsPerPass * stride_s : src,
+                  valid);
+    }
+  };
+
+  load_tile(sQ, q_base, q_stride_s, m0, kBlockM, seqlen_q);
+  if (n_max > n_min) load_tile(sK, k_base, k_stride_s, (n_max - 1) * kBlockN, kBlockN, seqlen_k);
+  cp_async_commit();
+
+  float acc_o[kMTiles][kDTiles][4];
+  float row_max[kMTiles][2], row_sum[kMTiles][2];  // row_sum: this thread's part of the row
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -infinity();
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  const int warp_row0 = warp * kRowsPerWarp;  // within the block
+  // ldmatrix addresses (see common/sm80.cuh for the thread -> row mapping of each operand)
+  const unsigned q_lds = smem_u32(sQ + (warp_row0 + lane % 16) * kStride + (lane / 16) * 8);
+  const unsigned k_lds = smem_u32(sK + (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8);
+  const unsigned v_lds = smem_u32(sV + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8);
+
+  for (int n = n_max - 1; n >= n_min; --n) {
+    const int n0 = n * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] (and Q) landed; every warp is done with the previous V
+    load_tile(sV, v_base, v_stride_s, n0, kBlockN, seqlen_k);
+    cp_async_commit();
+
+    // S = Q K^T
+    float s[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      unsigned a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_lds + (mt * 16 * kStride + ks * 16) * 2);
+#pragma unroll
+      for (int nt2 = 0; nt2 < kNTiles / 2; ++nt2) {
+        unsigned bk[4];
+        ldmatrix_x4(bk, k_lds + (nt2 * 16 * kStride + ks * 16) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(s[mt][2 * nt2], a[mt], bk[0], bk[1]);
+          mma_16816<T>(s[mt][2 * nt2 + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Softcap before masking: s <- softcap * tanh(s * scale / softcap); scale_log2 is then log2(e).
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the ends, absolute error ~1e-7 near 0
+            const float t = ex2(s[mt][nt][e] * softcap_scale * 2.885390081777927f);  // 2 * log2(e)
+            s[mt][nt][e] = softcap * (1.f - __fdividef(2.f, t + 1.f));  // t = inf gives 2 / inf = 0
+          }
+    }
+
+    // Mask only the blocks that straddle a boundary: the key tail or a window edge.
+    const bool needs_mask = (n0 + kBlockN > seqlen_k) ||
+                            (window_left >= 0 && n0 < row_last + offset - window_left) ||
+                            (window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + window_right);
+    if (needs_mask) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          // This row's visible keys, relative to this thread's first column of the block.
+          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
+          const int col0 = n0 + (lane % 4) * 2;
+          const int lo = (window_left >= 0 ? i + offset - window_left : 0) - col0;
+          const int hi = (window_right >= 0 ? min(seqlen_k - 1, i + offset + window_right) : seqlen_k - 1) - col0;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if (nt * 8 + e < lo || nt * 8 + e > hi) s[mt][nt][hf * 2 + e] = -infinity();
+            }
+        }
+    }
+
+    // Online softmax, per row (a row's 8-column slices are spread over the 4 threads of a quad).
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = row_max[mt][hf];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][hf * 2], s[mt][nt][hf * 2 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        const float base = mx == -infinity() ? 0.f : mx * scale_log2;
+        const float correction = ex2(row_max[mt][hf] * scale_log2 - base);
+        row_max[mt][hf] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = ex2(fmaf(s[mt][nt][hf * 2 + e], scale_log2, -base));
+            s[mt][nt][hf * 2 + e] = p;
+            sum += p;
+          }
+        row_sum[mt][hf] = row_sum[mt][hf] * correction + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc_o[mt][dt][hf * 2] *= correction;
+          acc_o[mt][dt][hf * 2 + 1] *= correction;
+        }
+      }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n] landed; every warp is done reading K[n]
+    if (n > n_min) {
+      load_tile(sK, k_base, k_stride_s, n0 - kBlockN, kBlockN, seqlen_k);
+      cp_async_commit();
+    }
+
+    // O += P V: the S accumulators of n8 tiles 2t and 2t+1 are exactly the A fragment of k16 step t.
+#pragma unroll
+    for (int kt = 0; kt < kBlockN / 16; ++kt) {
+      unsigned a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+      }
+#pragma unroll
+      for (int dt2 = 0; dt2 < kDTiles / 2; ++dt2) {
+        unsigned bv[4];
+        ldmatrix_x4_trans(bv, v_lds + (kt * 16 * kStride + dt2 * 16) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(acc_o[mt][2 * dt2], a[mt], bv[0], bv[1]);
+          mma_16816<T>(acc_o[mt][2 * dt2 + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: O / rowsum into this warp's own rows of sQ (no other warp reads them), then 16-byte
+  // stores of the valid rows and columns; the LSE in natural log (-inf for a row that saw no key).
+  // Output addresses are formed only now, so they hold no registers through the main loop
+  // (a varlen sequence's start is read again from cu_seqlens_q).
+  const long long o_row0 = kVarlen ? cu_seqlens_q[b] : 0;
+  T* o_base = out + (kVarlen ? o_row0 * o_stride_s : b * o_stride_b) + h * o_stride_h;
+  float* lse_base = lse + (kVarlen ? o_row0 : b * lse_stride_b) + h * lse_stride_h;
+  constexpr float kLn2 = 0.6931471805599453f;
+  cp_async_wait<0>();  // with no key block to visit, the Q load may still be in flight
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float total = row_sum[mt][hf];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int r = warp_row0 + mt * 16 + lane / 4 + hf * 8;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const unsigned packed = pack2<T>(acc_o[mt][dt][hf * 2] * inv, acc_o[mt][dt][hf * 2 + 1] * inv);
+        *reinterpret_cast<unsigned*>(sQ + r * kStride + dt * 8 + (lane % 4) * 2) = packed;
+      }
+      if (lane % 4 == 0 && m0 + r < seqlen_q) {
+        lse_base[m0 + r] = total > 0.f ? (row_max[mt][hf] * scale_log2 + __log2f(total)) * kLn2 : -infinity();
+      }
+    }
+  __syncwarp();
+#pragma unroll
+  for (int idx = lane; idx < kRowsPerWarp * kChunks; idx += 32) {
+    const int r = warp_row0 + idx / kChunks, c = idx % kChunks;
+    if (m0 + r < seqlen_q && c * 8 < headdim) {
+      *reinterpret_cast<uint4*>(o_base + (m0 + r) * o_stride_s + c * 8) =
+          *reinterpret_cast<const uint4*>(sQ + r * kStride + c * 8);
+    }
+  }
+}
+
+}  // namespace cuflash

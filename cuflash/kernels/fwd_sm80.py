@@ -1,0 +1,154 @@
+"""fwd_sm80: the FlashAttention-2 forward on mma.sync (cuda_src/fwd_sm80.cu), for every GPU of
+compute capability 8.0 or newer; the fallback on Hopper."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import CXX_TYPES, Family, Variant, check_grid_yz
+
+# Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
+# the next one up, its extra columns zero-filled on load and never stored.
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
+ELEMENT_BYTES = 2
+
+# The tile table: per compiled head dim, (block_m, block_n, warps) in order of preference; the
+# first whose shared memory fits the GPU is used. block_m / warps rows per warp: 32 rows (two m16
+# tiles) where the O and S accumulators fit the register file, 16 where the head dim is large.
+TILES = {
+    32: ((128, 128, 4),),
+    64: ((128, 64, 4),),
+    96: ((128, 64, 4), (64, 64, 4)),
+    128: ((128, 48, 4), (64, 64, 4)),  # block_n 64 spills on sm_90a: S and O need 192 of 255 registers
+    160: ((128, 64, 8), (64, 64, 4)),
+    192: ((128, 64, 8), (64, 64, 4)),
+    224: ((128, 64, 8), (64, 32, 4)),
+    256: ((128, 64, 8), (64, 32, 4)),
+}
+
+# Opt-in shared memory per block by compute capability (CUDA programming guide); a GPU not listed
+# gets the smallest, and at run time the device's own attribute decides.
+SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
+SMEM_OPTIN_DEFAULT = 101376  # sm_86, sm_89, sm_120
+
+
+@dataclass(frozen=True)
+class FwdSm80Variant(Variant):
+    family = "fwd_sm80"
+    source = "fwd_sm80.cu"
+    template = "cuflash::fwd_sm80"
+
+    dtype: str
+    headdim: int  # compiled (padded) head dim
+    block_m: int
+    block_n: int
+    warps: int
+    varlen: bool
+    softcap: bool
+
+    def check(self) -> None:
+        if self.dtype not in CXX_TYPES:
+            raise ValueError(f"fwd_sm80: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.headdim not in HEADDIMS:
+            raise ValueError(f"fwd_sm80: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.block_m % (16 * self.warps) or self.block_n % 16:
+            raise ValueError(f"fwd_sm80: block_m={self.block_m} must be whole m16 tiles per warp "
+                             f"({self.warps} warps) and block_n={self.block_n} a multiple of 16")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        # Q, K and V tiles, each row padded by 16 bytes (see the kernel).
+        return (self.block_m + 2 * self.block_n) * (self.headdim + 8) * ELEMENT_BYTES
+
+    def template_args(self) -> tuple[str, ...]:
+        flag = lambda b: "true" if b else "false"
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_m), str(self.block_n), str(self.warps),
+                flag(self.varlen), flag(self.softcap))
+
+
+def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int]:
+    for tiles in TILES[headdim]:
+        variant_smem = (tiles[0] + 2 * tiles[1]) * (headdim + 8) * ELEMENT_BYTES
+        if variant_smem <= smem_limit:
+            return tiles
+    raise ValueError(f"fwd_sm80 has no tile for headdim {headdim} within {smem_limit} bytes of shared memory")
+
+
+def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm80Variant, ...]:
+    limit = SMEM_OPTIN.get(tuple(compute_capability), SMEM_OPTIN_DEFAULT)
+    return tuple(FwdSm80Variant(dtype, hd, *_tiles(hd, limit), varlen, softcap)
+                 for dtype in sorted(CXX_TYPES) for hd in HEADDIMS for varlen in (False, True)
+                 for softcap in (False, True))
+
+
+def _smem_optin(device_index: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_index)["sharedMemPerBlockOptin"])
+
+
+def select(problem, inputs) -> FwdSm80Variant:
+    if problem.headdim % HEADDIM_ALIGN or problem.headdim > HEADDIMS[-1]:
+        raise ValueError(f"fwd_sm80 takes head dims that are multiples of {HEADDIM_ALIGN} up to {HEADDIMS[-1]}; "
+                         f"got {problem.headdim}")
+    for name in ("q", "k", "v"):
+        array = inputs[name]
+        if array.ptr % 16 or any((s * ELEMENT_BYTES) % 16 for s in array.strides[:-1]):
+            raise ValueError(f"fwd_sm80 loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
+                             f"strides that are multiples of 8 elements (got strides {array.strides}); "
+                             "pass a contiguous copy")
+    check_grid_yz("fwd_sm80", problem.nheads, problem.batch)
+    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    tiles = _tiles(headdim, _smem_optin(problem.device.index))
+    return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+
+
+def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
+    blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
+    if blocks_m * problem.nheads * problem.batch == 0:
+        return
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    out, lse = outputs["out"], outputs["lse"]
+    if problem.varlen:  # (total, heads, dim): no batch stride; sequences start at cu_seqlens
+        strides = [(0, *x.strides[:2]) for x in (q, k, v, out)]
+        lse_strides = (0, lse.strides[0])
+        cu_q, cu_k = inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
+    else:
+        strides = [x.strides[:3] for x in (q, k, v, out)]
+        lse_strides = lse.strides[:2]
+        cu_q = cu_k = 0
+    log2e = 1.0 / math.log(2.0)
+    softcap = problem.softcap
+    # With softcap the kernel caps softcap * tanh(s * scale / softcap) first, then scales by log2(e).
+    scale_log2 = log2e if softcap else problem.softmax_scale * log2e
+    softcap_scale = problem.softmax_scale / softcap if softcap else 0.0
+    args = (np.uint64(q.ptr), np.uint64(k.ptr), np.uint64(v.ptr), np.uint64(out.ptr), np.uint64(lse.ptr),
+            np.uint64(cu_q), np.uint64(cu_k),
+            np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.nheads // problem.nheads_kv),
+            np.int32(problem.headdim),
+            *(np.int64(s) for triple in strides for s in triple), *(np.int64(s) for s in lse_strides),
+            np.float32(scale_log2), np.float32(softcap_scale), np.float32(softcap),
+            np.int32(problem.window_left), np.int32(problem.window_right))
+    smem = variant.dynamic_shared_bytes
+    if smem > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = smem
+    with stream:
+        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), args, shared_mem=smem)
+
+
+FAMILY = Family(
+    name="fwd_sm80",
+    ops=("attention_forward", "attention_varlen_forward"),
+    description="FlashAttention-2 forward on mma.sync m16n8k16 (sm_80+; the fallback on Hopper)",
+    min_compute_capability=(8, 0),
+    variants_for=variants_for,
+    select=select,
+    launch=launch,
+)

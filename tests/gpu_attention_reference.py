@@ -1,0 +1,42 @@
+"""Attention in torch on the GPU, for the GPU tests: the float32/float64 reference of the
+contract (checked against cuflash.reference in test_gpu_fwd_sm80) and the "plain low-precision
+implementation" FlashAttention's test criterion compares against (scores, softmax and PV in
+the input dtype)."""
+import math
+
+import torch
+
+
+def visible(seqlen_q: int, seqlen_k: int, left: int, right: int, device) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: query i sees key j iff i + off - left <= j <= i + off + right."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diag = i + (seqlen_k - seqlen_q)
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= j >= diag - left
+    if right >= 0:
+        ok &= j <= diag + right
+    return ok
+
+
+def attention(q, k, v, *, compute_dtype, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> (out (B, Sq, H, D) in compute_dtype, lse (B, H, Sq) float32).
+    Rows that see no key give 0 and -inf. compute_dtype = q.dtype is the plain low-precision version."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    left, right = window[0], (0 if causal else window[1])
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(headdim)
+    group = nheads // nheads_kv
+    qt = q.to(compute_dtype).transpose(1, 2)  # (B, H, Sq, D)
+    kt = k.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    mask = visible(seqlen_q, seqlen_k, left, right, q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
+    out = torch.matmul(p, vt).transpose(1, 2)
+    return out, lse

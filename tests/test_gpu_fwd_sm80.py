@@ -1,0 +1,159 @@
+"""fwd_sm80 on the GPU against the reference, FlashAttention's criterion: cuflash's max abs error
+against a float32 reference from the same fp16/bf16 inputs is at most 2x that of a plain
+low-precision implementation, plus 1e-5; the LSE within 1e-3 relative; NaN never passes; outputs
+are poisoned before every call, and a second identical call must give the same bits (a moving
+error is a race)."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import arrays, dispatch, reference
+from cuflash.problem import Problem
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+gpu_attention = pytest.importorskip("gpu_attention_reference")
+
+SEQLENS = st.one_of(st.sampled_from([1, 2, 7, 31, 64, 127, 128, 129, 257, 1021, 1024, 2048]), st.integers(1, 2048))
+HEADDIMS = st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256, 40, 72, 80, 200, 8])
+MAX_SCORES = 2**26  # batch * nheads * seqlen_q * seqlen_k per example, to bound the reference's memory
+
+
+@st.composite
+def features(draw):
+    causal = draw(st.booleans())
+    side = st.one_of(st.just(-1), st.integers(0, 64), st.integers(0, 2048))
+    window = (draw(side), draw(st.sampled_from([-1, 0]) if causal else side))
+    softcap = draw(st.one_of(st.just(0.0), st.just(0.0), st.floats(1.0, 50.0)))
+    scale = draw(st.one_of(st.none(), st.floats(0.02, 1.0)))
+    return dict(causal=causal, window=window, softcap=softcap, softmax_scale=scale)
+
+
+def _strided(shape, dtype, layout, generator):
+    """A (batch, seq, heads, dim) tensor: contiguous, a transposed (batch, heads, seq, dim) array, or
+    heads sliced out of a wider array (all with 16-byte aligned rows)."""
+    b, s, h, d = shape
+    if layout == "bhsd":
+        return torch.randn(b, h, s, d, device="cuda", generator=generator).to(dtype).transpose(1, 2)
+    if layout == "padded":
+        return torch.randn(b, s, h + 2, d + 8, device="cuda", generator=generator).to(dtype)[:, :, 1:h + 1, :d]
+    return torch.randn(b, s, h, d, device="cuda", generator=generator).to(dtype)
+
+
+def _problem(op, q, k, **kw):
+    """The Problem api.py would build (keywords already normalised)."""
+    left, right = reference.window_bounds(kw["causal"], kw["window"])
+    scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(q.shape[-1])
+    return Problem(op=op, framework="torch", device=arrays.Device("cuda", q.device.index or 0),
+                   dtype=str(q.dtype).removeprefix("torch."), batch=q.shape[0], seqlen_q=q.shape[1],
+                   seqlen_k=k.shape[1], nheads=q.shape[2], nheads_kv=k.shape[2], headdim=q.shape[-1],
+                   causal=kw["causal"], window_left=left, window_right=right, softmax_scale=scale,
+                   softcap=float(kw["softcap"]))
+
+
+def _run_poisoned(problem, inputs, out_shape, lse_shape, dtype):
+    out = torch.full(out_shape, float("nan"), device="cuda", dtype=dtype)
+    lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
+    dispatch.execute(problem, inputs, dict(out=out, lse=lse), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(out, lse, q, k, v, kw):
+    ref_out, ref_lse = gpu_attention.attention(q, k, v, compute_dtype=torch.float32, **kw)
+    low_out, _ = gpu_attention.attention(q, k, v, compute_dtype=q.dtype, **kw)
+    assert not torch.isnan(out).any(), "NaN (or an unwritten, poisoned element) in out"
+    assert not torch.isnan(lse).any(), "NaN (or an unwritten, poisoned element) in lse"
+    err = (out.float() - ref_out).abs().max().item() if out.numel() else 0.0
+    low_err = (low_out.float() - ref_out).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * low_err + 1e-5, f"max error {err:.3g} vs plain {q.dtype} implementation {low_err:.3g}"
+    dead = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), dead), "rows without keys must have lse -inf, and only those"
+    torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3)
+    return err, low_err
+
+
+@settings(max_examples=200)
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=HEADDIMS, batch=st.integers(1, 4),
+       seqlen_q=SEQLENS, seqlen_k=SEQLENS, nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
+       kw=features(), layout=st.sampled_from(["contiguous", "bhsd", "padded"]), seed=st.integers(0, 2**31 - 1))
+def test_forward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, layout, seed):
+    nheads = nheads_kv * group
+    assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = _strided((batch, seqlen_q, nheads, headdim), dtype, layout, g)
+    k = _strided((batch, seqlen_k, nheads_kv, headdim), dtype, layout, g)
+    v = _strided((batch, seqlen_k, nheads_kv, headdim), dtype, layout, g)
+    problem = _problem("attention_forward", q, k, **kw)
+    inputs = dict(q=q, k=k, v=v)
+    out, lse = _run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
+    _check(out, lse, q, k, v, kw)
+    again, lse_again = _run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+
+
+@settings(max_examples=60)
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=st.sampled_from([64, 128, 96, 256]),
+       lens=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 700)), min_size=1, max_size=5),
+       nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 4]), kw=features(), seed=st.integers(0, 2**31 - 1))
+def test_varlen_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, kw, seed):
+    nheads = nheads_kv * group
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum([a for a, _ in lens])]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum([b for _, b in lens])]), dtype=torch.int32, device="cuda")
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(total_q, nheads, headdim, device="cuda", generator=g).to(dtype)
+    k = torch.randn(total_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
+    v = torch.randn(total_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
+    max_q, max_k = max(a for a, _ in lens), max(b for _, b in lens)
+    problem = _problem("attention_forward", q[None], k[None], **kw)
+    problem = dataclasses.replace(problem, op="attention_varlen_forward", batch=len(lens), seqlen_q=max_q,
+                                  seqlen_k=max_k, total_q=total_q, total_k=total_k)
+    out, lse = _run_poisoned(problem, dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q.shape,
+                             (nheads, total_q), dtype)
+    for b, (lq, lk) in enumerate(lens):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
+
+
+def test_public_entry_points_run_the_kernel():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 333, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 517, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    out, lse = cuflash.attention(q, k, k, causal=True, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.shape == (2, 8, 333) and lse.dtype == torch.float32
+    _check(out, lse, q, k, k, dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None))
+    cupy = pytest.importorskip("cupy")
+    out_cp = cuflash.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(k), causal=True)
+    assert isinstance(out_cp, cupy.ndarray) and torch.equal(torch.as_tensor(out_cp, device="cuda"), out)
+    jax = pytest.importorskip("jax")
+    to_jax = lambda t: jax.dlpack.from_dlpack(t)
+    out_jax = jax.jit(lambda a, b: cuflash.attention(a, b, b, causal=True))(to_jax(q), to_jax(k))
+    assert torch.equal(torch.from_dlpack(out_jax), out)
+
+
+def test_the_torch_reference_is_the_contract():
+    """gpu_attention_reference (float64) agrees with cuflash.reference on a mix of features."""
+    rng = np.random.default_rng(0)
+    for kw in (dict(causal=True, window=(5, -1), softcap=0.0, softmax_scale=None),
+               dict(causal=False, window=(3, 7), softcap=4.0, softmax_scale=0.3)):
+        q, k, v = (rng.standard_normal(s) for s in ((2, 19, 4, 16), (2, 11, 2, 16), (2, 11, 2, 16)))
+        ref_out, ref_lse = reference.forward(q, k, v, **kw)
+        out, lse = gpu_attention.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)),
+                                           compute_dtype=torch.float64, **kw)
+        np.testing.assert_allclose(out.cpu().numpy(), ref_out, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_unaligned_strides_are_refused_by_name():
+    q = torch.randn(1, 64, 2, 72, device="cuda", dtype=torch.float16)[..., :64]  # head stride 144 bytes: aligned
+    cuflash.attention(q, q, q)
+    odd = torch.randn(1, 64, 2, 65, device="cuda", dtype=torch.float16)[..., :64]
+    with pytest.raises(NotImplementedError, match="16-byte"):
+        cuflash.attention(odd, odd, odd)
