@@ -53,13 +53,31 @@ def configs(args):
                     yield dtype, headdim, causal, seqlen, TOKENS // seqlen, HIDDEN // headdim
 
 
+def host_overhead_us(torch, cuflash) -> float:
+    """Microseconds of host time per cuflash.attention call on a tiny problem (launch-bound)."""
+    q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(10):
+        cuflash.attention(q, q, q)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        cuflash.attention(q, q, q)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 200 * 1e6
+
+
 def run_torch(args) -> list[dict]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash
+    from cuflash.kernels import fwd_sm80
 
+    if args.tiles:  # time other rows of the tile table
+        fwd_sm80.tiles_override = args.tiles
+    print(f"host time per cuflash.attention call (tiny problem): {host_overhead_us(torch, cuflash):.1f} us",
+          flush=True)
     rows = []
     for dtype_name, headdim, causal, seqlen, batch, nheads in configs(args):
         dtype = getattr(torch, dtype_name)
@@ -87,18 +105,23 @@ def run_torch(args) -> list[dict]:
             except RuntimeError as e:  # a peer that cannot run this configuration
                 print(f"  {name} unavailable for {dtype_name} d={headdim} s={seqlen}: {str(e)[:120]}", flush=True)
                 del impls[name]
-        times = {name: [] for name in impls}
         for _ in range(args.warmup):
             for call in impls.values():
                 call()
+        # Interleaved A B C A B C ..., events around each call and no synchronisation until the end:
+        # host work overlaps the GPU as it would in a training step, and an implementation whose
+        # host overhead exceeds its kernel time still shows it.
+        events = {name: [] for name in impls}
+        torch.cuda.synchronize()
         for _ in range(args.reps):
-            for name, call in impls.items():  # interleaved: A B C A B C ...
+            for name, call in impls.items():
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 call()
                 end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
+                events[name].append((start, end))
+        torch.cuda.synchronize()
+        times = {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
         state = gpu_state()
         f = flops(batch, seqlen, nheads, headdim, causal)
         for name, ts in times.items():
@@ -106,6 +129,7 @@ def run_torch(args) -> list[dict]:
             spread = (statistics.quantiles(ts, n=10)[-1] - statistics.quantiles(ts, n=10)[0]) / ms
             rows.append(dict(impl=name, dtype=dtype_name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
                              nheads=nheads, ms=ms, tflops=f / ms / 1e9, spread_p10_p90=spread,
+                             tiles=str(args.tiles.get(headdim)) if args.tiles and name == "cuflash" else None,
                              max_abs_diff_vs_torch_flash=errors[name], **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
         print(f"{dtype_name} d={headdim:3d} causal={int(causal)} s={seqlen:5d}: {line}  "
@@ -175,6 +199,10 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", default="0,1", type=lambda s: [bool(int(x)) for x in s.split(",")])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--tiles", default=None, help="fwd_sm80 tiles to time instead of the table's, "
+                        "e.g. 128:128x64x4,64:128x128x4 (headdim:block_m x block_n x warps)",
+                        type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
+                                        for hd, t in (item.split(":") for item in s.split(","))})
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = run_jax(args) if args.jax else run_torch(args)

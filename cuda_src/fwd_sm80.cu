@@ -260,7 +260,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
   T* o_base = out + (kVarlen ? o_row0 * o_stride_s : b * o_stride_b) + h * o_stride_h;
   float* lse_base = lse + (kVarlen ? o_row0 : b * lse_stride_b) + h * lse_stride_h;
   constexpr float kLn2 = 0.6931471805599453f;
-  cp_async_wait<0>();  // with no key block to visit, the Q load may still be in flight
+  // With no key block to visit, the Q load (spread over all warps) may still be landing in the
+  // rows this warp is about to overwrite.
+  if (n_max <= n_min) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

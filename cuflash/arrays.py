@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -219,8 +220,10 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
+@lru_cache(maxsize=64)
 def cupy_stream(ptr: int):
-    """A CuPy stream object for a raw handle (torch's, XLA's or CuPy's own), for launching on it."""
+    """A CuPy stream object for a raw handle (torch's, XLA's or CuPy's own), for launching on it.
+    Cached: it only wraps the handle, and making one costs more than the launch."""
     return _module("cupy").cuda.Stream.from_external(_StreamHandle(ptr))
 
 

@@ -93,8 +93,11 @@ def get_function(variant, device_index: int):
             if function is None:
                 module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
                                         name_expressions=[variant.name_expression])
-                function = _functions[key] = module.get_function(variant.name_expression)
+                function = module.get_function(variant.name_expression)
                 function.compile()  # compile and load now, not at the first launch
+                if variant.dynamic_shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in
+                    function.max_dynamic_shared_size_bytes = variant.dynamic_shared_bytes
+                _functions[key] = function
         return function
 
 

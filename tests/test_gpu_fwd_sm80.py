@@ -130,7 +130,7 @@ def test_public_entry_points_run_the_kernel():
     assert out.dtype == torch.bfloat16 and lse.shape == (2, 8, 333) and lse.dtype == torch.float32
     _check(out, lse, q, k, k, dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None))
     cupy = pytest.importorskip("cupy")
-    out_cp = cuflash.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(k), causal=True)
+    out_cp = cuflash.attention(cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(k), causal=True)
     assert isinstance(out_cp, cupy.ndarray) and torch.equal(torch.as_tensor(out_cp, device="cuda"), out)
     jax = pytest.importorskip("jax")
     to_jax = lambda t: jax.dlpack.from_dlpack(t)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -20,7 +21,7 @@ ELEMENT_BYTES = 2
 # tiles) where the O and S accumulators fit the register file, 16 where the head dim is large.
 TILES = {
     32: ((128, 128, 4),),
-    64: ((128, 64, 4),),
+    64: ((128, 128, 4), (128, 64, 4)),
     96: ((128, 64, 4), (64, 64, 4)),
     128: ((128, 48, 4), (64, 64, 4)),  # block_n 64 spills on sm_90a: S and O need 192 of 255 registers
     160: ((128, 64, 8), (64, 64, 4)),
@@ -73,7 +74,13 @@ class FwdSm80Variant(Variant):
                 flag(self.varlen), flag(self.softcap))
 
 
+# Set by benchmarks/bench_fwd.py --tiles to time other rows of the table; None in normal use.
+tiles_override: dict[int, tuple[int, int, int]] | None = None
+
+
 def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int]:
+    if tiles_override and headdim in tiles_override:
+        return tiles_override[headdim]
     for tiles in TILES[headdim]:
         variant_smem = (tiles[0] + 2 * tiles[1]) * (headdim + 8) * ELEMENT_BYTES
         if variant_smem <= smem_limit:
@@ -88,6 +95,7 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm80Variant, .
                  for softcap in (False, True))
 
 
+@lru_cache(maxsize=None)
 def _smem_optin(device_index: int) -> int:
     import cupy
 
@@ -136,11 +144,9 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
             *(np.int64(s) for triple in strides for s in triple), *(np.int64(s) for s in lse_strides),
             np.float32(scale_log2), np.float32(softcap_scale), np.float32(softcap),
             np.int32(problem.window_left), np.int32(problem.window_right))
-    smem = variant.dynamic_shared_bytes
-    if smem > 48 * 1024:
-        function.max_dynamic_shared_size_bytes = smem
     with stream:
-        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), args, shared_mem=smem)
+        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), args,
+                 shared_mem=variant.dynamic_shared_bytes)
 
 
 FAMILY = Family(
