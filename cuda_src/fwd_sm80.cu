@@ -17,17 +17,50 @@
 
 namespace cuflash {
 
+// The launch arguments, one struct passed by value (one argument to marshal per launch). 8-byte
+// fields first, then 4-byte ones, so the layout is the natural one that the Python side
+// (cuflash/kernels/fwd_sm80.py, FWD_PARAMS) reproduces with numpy's align=True.
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  const int* cu_seqlens_q;  // varlen only
+  const int* cu_seqlens_k;
+  long long q_stride_b, q_stride_s, q_stride_h;  // in elements; batch strides unused for varlen
+  long long k_stride_b, k_stride_s, k_stride_h;
+  long long v_stride_b, v_stride_s, v_stride_h;
+  long long o_stride_b, o_stride_s, o_stride_h;
+  long long lse_stride_b, lse_stride_h;
+  int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
+  int group;               // query heads per kv head
+  int headdim;             // the caller's head dim (<= kHeadDim; the rest is zero padding)
+  int window_left, window_right;  // -1: unbounded; causal is window_right = 0
+  float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
+  float softcap_scale;     // softmax_scale / softcap
+  float softcap;
+  int reserved;
+};
+static_assert(sizeof(FwdParams) == 208, "FwdParams must match FWD_PARAMS in cuflash/kernels/fwd_sm80.py");
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kVarlen, bool kSoftcap>
-__global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-    float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-    int seqlen_q, int seqlen_k, int group, int headdim,
-    long long q_stride_b, long long q_stride_s, long long q_stride_h,
-    long long k_stride_b, long long k_stride_s, long long k_stride_h,
-    long long v_stride_b, long long v_stride_s, long long v_stride_h,
-    long long o_stride_b, long long o_stride_s, long long o_stride_h,
-    long long lse_stride_b, long long lse_stride_h,
-    float scale_log2, float softcap_scale, float softcap, int window_left, int window_right) {
+__global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant__ FwdParams p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  T* __restrict__ out = static_cast<T*>(p.out);
+  float* __restrict__ lse = p.lse;
+  const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+  const int group = p.group, headdim = p.headdim, window_left = p.window_left, window_right = p.window_right;
+  const float scale_log2 = p.scale_log2, softcap_scale = p.softcap_scale, softcap = p.softcap;
+  const long long q_stride_b = p.q_stride_b, q_stride_s = p.q_stride_s, q_stride_h = p.q_stride_h;
+  const long long k_stride_b = p.k_stride_b, k_stride_s = p.k_stride_s, k_stride_h = p.k_stride_h;
+  const long long v_stride_b = p.v_stride_b, v_stride_s = p.v_stride_s, v_stride_h = p.v_stride_h;
+  const long long o_stride_b = p.o_stride_b, o_stride_s = p.o_stride_s, o_stride_h = p.o_stride_h;
+  const long long lse_stride_b = p.lse_stride_b, lse_stride_h = p.lse_stride_h;
   constexpr int kThreads = kWarps * 32;
   constexpr int kRowsPerWarp = kBlockM / kWarps;
   constexpr int kMTiles = kRowsPerWarp / 16;   // m16 tiles per warp
@@ -75,6 +108,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
   const int key_hi = window_right >= 0 ? min(seqlen_k, row_last + offset + window_right + 1) : seqlen_k;
   const int n_min = key_lo / kBlockN;
   const int n_max = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_min;
+  // Blocks n_full_lo <= n <= n_full_hi are visible to every row: no per-element mask there.
+  // Below: some row's window starts after n0. Above: the key tail, or some row's window ends
+  // before the block does.
+  const int n_full_lo = window_left >= 0 ? (max(0, row_last + offset - window_left) + kBlockN - 1) / kBlockN : 0;
+  const int n_full_hi = (window_right >= 0 ? min(seqlen_k, m0 + offset + window_right + 1) : seqlen_k) / kBlockN - 1;
 
   // Tile loads: consecutive threads take consecutive 16-byte chunks of a row (coalesced). Each
   // thread keeps one chunk column and steps down the tile kRowsPerPass rows at a time, so a tile
@@ -168,10 +206,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
     }
 
     // Mask only the blocks that straddle a boundary: the key tail or a window edge.
-    const bool needs_mask = (n0 + kBlockN > seqlen_k) ||
-                            (window_left >= 0 && n0 < row_last + offset - window_left) ||
-                            (window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + window_right);
-    if (needs_mask) {
+    if (n < n_full_lo || n > n_full_hi) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -221,6 +256,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
         }
       }
 
+    // P in 16 bits, packed once: the S accumulators of n8 tiles 2t and 2t+1 are exactly the A
+    // fragment of k16 step t. Packing up front halves what PV keeps live (the floats die here).
+    unsigned pa[kMTiles][kBlockN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int kt = 0; kt < kBlockN / 16; ++kt) {
+        pa[mt][kt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+        pa[mt][kt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+        pa[mt][kt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+        pa[mt][kt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+      }
+
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every warp is done reading K[n]
     if (n > n_min) {
@@ -228,32 +276,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(
       cp_async_commit();
     }
 
-    // O += P V: the S accumulators of n8 tiles 2t and 2t+1 are exactly the A fragment of k16 step t.
+    // O += P V
 #pragma unroll
     for (int kt = 0; kt < kBlockN / 16; ++kt) {
-      unsigned a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
-      }
 #pragma unroll
       for (int dt2 = 0; dt2 < kDTiles / 2; ++dt2) {
         unsigned bv[4];
         ldmatrix_x4_trans(bv, v_lds + (kt * 16 * kStride + dt2 * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(acc_o[mt][2 * dt2], a[mt], bv[0], bv[1]);
-          mma_16816<T>(acc_o[mt][2 * dt2 + 1], a[mt], bv[2], bv[3]);
+          mma_16816<T>(acc_o[mt][2 * dt2], pa[mt][kt], bv[0], bv[1]);
+          mma_16816<T>(acc_o[mt][2 * dt2 + 1], pa[mt][kt], bv[2], bv[3]);
         }
       }
     }
   }
 
-  // Epilogue: O / rowsum into this warp's own rows of sQ (no other warp reads them), then 16-byte
-  // stores of the valid rows and columns; the LSE in natural log (-inf for a row that saw no key).
   // Output addresses are formed only now, so they hold no registers through the main loop
   // (a varlen sequence's start is read again from cu_seqlens_q).
   const long long o_row0 = kVarlen ? cu_seqlens_q[b] : 0;

@@ -252,9 +252,10 @@ def device_array(x: Any) -> DeviceArray:
     """Zero-copy description of a CuPy array, torch CUDA tensor, JAX GPU array or JAX GPU
     callback buffer (the last two through the CUDA array interface)."""
     framework = framework_of(x)
-    if framework in ("cupy", "torch"):
-        info = describe("array", x)
-        return DeviceArray(device_pointer(x), info.shape, info.strides)
+    if framework == "torch":
+        return DeviceArray(x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+    if framework == "cupy":
+        return DeviceArray(x.data.ptr, x.shape, tuple(s // x.itemsize for s in x.strides))
     cai = x.__cuda_array_interface__
     shape = tuple(int(n) for n in cai["shape"])
     itemsize = int(cai["typestr"][2:]) if cai["typestr"][1] in "fiuV" else 1

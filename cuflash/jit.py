@@ -77,27 +77,28 @@ def device_compute_capability(device_index: int) -> tuple[int, int]:
     return int(props["major"]), int(props["minor"])
 
 
-_functions: dict[tuple[str, str, int], object] = {}
+_functions: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
 def get_function(variant, device_index: int):
     """The loaded kernel for `variant` on GPU `device_index`, compiled on first use."""
+    function = _functions.get((variant, device_index))  # the hot path: one dict lookup
+    if function is not None:
+        return function
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        arch = arch_for(device_compute_capability(device_index))
-        key = (variant.uri, arch, device_index)
-        with _lock:
-            function = _functions.get(key)
-            if function is None:
-                module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
-                                        name_expressions=[variant.name_expression])
-                function = module.get_function(variant.name_expression)
-                function.compile()  # compile and load now, not at the first launch
-                if variant.dynamic_shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in
-                    function.max_dynamic_shared_size_bytes = variant.dynamic_shared_bytes
-                _functions[key] = function
+    with _lock, cupy.cuda.Device(device_index):
+        function = _functions.get((variant, device_index))
+        if function is None:
+            arch = arch_for(device_compute_capability(device_index))
+            module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
+                                    name_expressions=[variant.name_expression])
+            function = module.get_function(variant.name_expression)
+            function.compile()  # compile and load now, not at the first launch
+            if variant.dynamic_shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in
+                function.max_dynamic_shared_size_bytes = variant.dynamic_shared_bytes
+            _functions[(variant, device_index)] = function
         return function
 
 

@@ -15,25 +15,43 @@ from . import CXX_TYPES, Family, Variant, check_grid_yz
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
 ELEMENT_BYTES = 2
+LOG2E = 1.0 / math.log(2.0)
 
 # The tile table: per compiled head dim, (block_m, block_n, warps) in order of preference; the
 # first whose shared memory fits the GPU is used. block_m / warps rows per warp: 32 rows (two m16
-# tiles) where the O and S accumulators fit the register file, 16 where the head dim is large.
+# tiles, so each K/V fragment read from shared memory feeds two MMAs) where the O and S accumulators
+# fit the register file without spilling, 16 where the head dim is large. block_n is as large as
+# the 255 registers allow without a spill on sm_80 and sm_90a (the offline report checks it); the
+# sweeps behind these choices are in benchmarks/NOTES-sm80.md.
 TILES = {
     32: ((128, 128, 4),),
-    64: ((128, 128, 4), (128, 64, 4)),
+    64: ((128, 96, 4), (128, 64, 4)),
     96: ((128, 64, 4), (64, 64, 4)),
-    128: ((128, 48, 4), (64, 64, 4)),  # block_n 64 spills on sm_90a: S and O need 192 of 255 registers
+    128: ((128, 64, 4), (64, 64, 4)),
     160: ((128, 64, 8), (64, 64, 4)),
     192: ((128, 64, 8), (64, 64, 4)),
     224: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (64, 32, 4)),
 }
+# Varlen's per-sequence offsets cost a few registers more: where that tips a tile into spilling.
+VARLEN_TILES = {128: ((128, 48, 4), (64, 64, 4))}
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide); a GPU not listed
 # gets the smallest, and at run time the device's own attribute decides.
 SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
 SMEM_OPTIN_DEFAULT = 101376  # sm_86, sm_89, sm_120
+
+
+# The kernel's FwdParams struct (cuda_src/fwd_sm80.cu), field for field: 8-byte fields, then 4-byte.
+FWD_PARAMS = np.dtype(
+    [(name, np.uint64) for name in ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")]
+    + [(f"{t}_stride_{d}", np.int64) for t in ("q", "k", "v", "o") for d in ("b", "s", "h")]
+    + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
+    + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left", "window_right")]
+    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "softcap")]
+    + [("reserved", np.int32)],
+    align=True)
+assert FWD_PARAMS.itemsize == 208, "keep in step with static_assert(sizeof(FwdParams) == 208)"
 
 
 @dataclass(frozen=True)
@@ -78,10 +96,10 @@ class FwdSm80Variant(Variant):
 tiles_override: dict[int, tuple[int, int, int]] | None = None
 
 
-def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int]:
+def _tiles(headdim: int, varlen: bool, smem_limit: int) -> tuple[int, int, int]:
     if tiles_override and headdim in tiles_override:
         return tiles_override[headdim]
-    for tiles in TILES[headdim]:
+    for tiles in (VARLEN_TILES if varlen and headdim in VARLEN_TILES else TILES)[headdim]:
         variant_smem = (tiles[0] + 2 * tiles[1]) * (headdim + 8) * ELEMENT_BYTES
         if variant_smem <= smem_limit:
             return tiles
@@ -90,7 +108,7 @@ def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int]:
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm80Variant, ...]:
     limit = SMEM_OPTIN.get(tuple(compute_capability), SMEM_OPTIN_DEFAULT)
-    return tuple(FwdSm80Variant(dtype, hd, *_tiles(hd, limit), varlen, softcap)
+    return tuple(FwdSm80Variant(dtype, hd, *_tiles(hd, varlen, limit), varlen, softcap)
                  for dtype in sorted(CXX_TYPES) for hd in HEADDIMS for varlen in (False, True)
                  for softcap in (False, True))
 
@@ -114,7 +132,7 @@ def select(problem, inputs) -> FwdSm80Variant:
                              "pass a contiguous copy")
     check_grid_yz("fwd_sm80", problem.nheads, problem.batch)
     headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
-    tiles = _tiles(headdim, _smem_optin(problem.device.index))
+    tiles = _tiles(headdim, problem.varlen, _smem_optin(problem.device.index))
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
 
@@ -132,20 +150,16 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
         strides = [x.strides[:3] for x in (q, k, v, out)]
         lse_strides = lse.strides[:2]
         cu_q = cu_k = 0
-    log2e = 1.0 / math.log(2.0)
     softcap = problem.softcap
     # With softcap the kernel caps softcap * tanh(s * scale / softcap) first, then scales by log2(e).
-    scale_log2 = log2e if softcap else problem.softmax_scale * log2e
-    softcap_scale = problem.softmax_scale / softcap if softcap else 0.0
-    args = (np.uint64(q.ptr), np.uint64(k.ptr), np.uint64(v.ptr), np.uint64(out.ptr), np.uint64(lse.ptr),
-            np.uint64(cu_q), np.uint64(cu_k),
-            np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.nheads // problem.nheads_kv),
-            np.int32(problem.headdim),
-            *(np.int64(s) for triple in strides for s in triple), *(np.int64(s) for s in lse_strides),
-            np.float32(scale_log2), np.float32(softcap_scale), np.float32(softcap),
-            np.int32(problem.window_left), np.int32(problem.window_right))
+    scale_log2 = LOG2E if softcap else problem.softmax_scale * LOG2E
+    params = np.empty(1, FWD_PARAMS)
+    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k, *strides[0], *strides[1], *strides[2],
+                 *strides[3], *lse_strides, problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv,
+                 problem.headdim, problem.window_left, problem.window_right, scale_log2,
+                 problem.softmax_scale / softcap if softcap else 0.0, softcap, 0)
     with stream:
-        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), args,
+        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), (params,),
                  shared_mem=variant.dynamic_shared_bytes)
 
 
