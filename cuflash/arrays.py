@@ -65,8 +65,18 @@ def _module(name: str):
     return sys.modules.get(name)
 
 
+_FRAMEWORK_OF_TYPE: dict[type, str | None] = {}
+
+
 def framework_of(x: Any) -> str | None:
     """The framework an array belongs to, or None for anything that is not a supported array."""
+    kind = type(x)
+    if kind not in _FRAMEWORK_OF_TYPE:  # isinstance checks once per type: this runs on every call
+        _FRAMEWORK_OF_TYPE[kind] = _framework_of_type(x)
+    return _FRAMEWORK_OF_TYPE[kind]
+
+
+def _framework_of_type(x: Any) -> str | None:
     if isinstance(x, np.ndarray):
         return "numpy"
     cupy = _module("cupy")
