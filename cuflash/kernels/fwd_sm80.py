@@ -20,7 +20,8 @@ LOG2E = 1.0 / math.log(2.0)
 # The tile table: per compiled head dim, (block_m, block_n, warps) in order of preference; the
 # first whose shared memory fits the GPU is used. block_m / warps rows per warp: 32 rows (two m16
 # tiles, so each K/V fragment read from shared memory feeds two MMAs) where the O and S accumulators
-# fit the register file without spilling, 16 where the head dim is large. block_n is as large as
+# fit the register file without spilling, 16 where the head dim is large (there 4 warps of 64 rows
+# beat 8 warps of 128 rows by 7-20% on H100). block_n is as large as
 # the 255 registers allow without a spill on sm_80 and sm_90a (the offline report checks it); the
 # sweeps behind these choices are in benchmarks/NOTES-sm80.md.
 TILES = {
@@ -28,10 +29,10 @@ TILES = {
     64: ((128, 96, 4), (128, 64, 4)),
     96: ((128, 64, 4), (64, 64, 4)),
     128: ((128, 64, 4), (64, 64, 4)),
-    160: ((128, 64, 8), (64, 64, 4)),
-    192: ((128, 64, 8), (64, 64, 4)),
-    224: ((128, 64, 8), (64, 32, 4)),
-    256: ((128, 64, 8), (64, 32, 4)),
+    160: ((64, 64, 4), (64, 32, 4)),
+    192: ((64, 64, 4), (64, 32, 4)),
+    224: ((64, 64, 4), (64, 32, 4)),
+    256: ((64, 64, 4), (64, 32, 4)),
 }
 # Varlen's per-sequence offsets cost a few registers more: where that tips a tile into spilling.
 VARLEN_TILES = {128: ((128, 48, 4), (64, 64, 4))}
