@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tiles", default=None, help="fwd_sm80 tiles to time instead of the table's, "
-                        "e.g. 128:128x64x4,64:128x128x4 (headdim:block_m x block_n x warps)",
+                        "e.g. 128:128x64x4x1,64:128x128x4x2 (headdim:block_m x block_n x warps x stages)",
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
                                         for hd, t in (item.split(":") for item in s.split(","))})
     args = parser.parse_args(argv)

@@ -44,7 +44,8 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 208, "FwdParams must match FWD_PARAMS in cuflash/kernels/fwd_sm80.py");
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kVarlen, bool kSoftcap>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kVarlen,
+          bool kSoftcap>
 __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant__ FwdParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const T* __restrict__ k = static_cast<const T*>(p.k);
@@ -71,11 +72,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over keys and head dim");
   static_assert(sizeof(T) == 2, "fp16 / bf16");
+  static_assert(kStages == 1 || kStages == 2, "one K/V buffer, or two");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * kStride;
-  T* sV = sK + kBlockN * kStride;
+  T* sK = sQ + kBlockM * kStride;           // kStages buffers of kBlockN rows
+  T* sV = sK + kStages * kBlockN * kStride;  // likewise
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -138,7 +140,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   };
 
   load_tile(sQ, q_base, q_stride_s, m0, kBlockM, seqlen_q);
-  if (n_max > n_min) load_tile(sK, k_base, k_stride_s, (n_max - 1) * kBlockN, kBlockN, seqlen_k);
+  if (n_max > n_min) {
+    load_tile(sK, k_base, k_stride_s, (n_max - 1) * kBlockN, kBlockN, seqlen_k);
+    if constexpr (kStages == 2) load_tile(sV, v_base, v_stride_s, (n_max - 1) * kBlockN, kBlockN, seqlen_k);
+  }
   cp_async_commit();
 
   float acc_o[kMTiles][kDTiles][4];
@@ -159,12 +164,25 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   const unsigned k_lds = smem_u32(sK + (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8);
   const unsigned v_lds = smem_u32(sV + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8);
 
+  // Two schedules. kStages == 1: V[n] is fetched while S = QK^T runs and K[n-1] while PV runs,
+  // two barriers a block. kStages == 2: K[n-1] and V[n-1] go into the other buffer pair while all of
+  // block n computes, one barrier a block, at twice the K/V shared memory.
   for (int n = n_max - 1; n >= n_min; --n) {
     const int n0 = n * kBlockN;
+    const unsigned buffer = kStages == 2 ? ((n_max - 1 - n) & 1) * kBlockN * kStride * 2 : 0;  // bytes
     cp_async_wait<0>();
-    __syncthreads();  // K[n] (and Q) landed; every warp is done with the previous V
-    load_tile(sV, v_base, v_stride_s, n0, kBlockN, seqlen_k);
-    cp_async_commit();
+    __syncthreads();  // this block's tiles (and Q) landed; every warp is done with the buffers reloaded next
+    if constexpr (kStages == 2) {
+      if (n > n_min) {
+        const int other = (n_max - n) & 1;
+        load_tile(sK + other * kBlockN * kStride, k_base, k_stride_s, n0 - kBlockN, kBlockN, seqlen_k);
+        load_tile(sV + other * kBlockN * kStride, v_base, v_stride_s, n0 - kBlockN, kBlockN, seqlen_k);
+        cp_async_commit();
+      }
+    } else {
+      load_tile(sV, v_base, v_stride_s, n0, kBlockN, seqlen_k);
+      cp_async_commit();
+    }
 
     // S = Q K^T
     float s[kMTiles][kNTiles][4];
@@ -182,7 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
 #pragma unroll
       for (int nt2 = 0; nt2 < kNTiles / 2; ++nt2) {
         unsigned bk[4];
-        ldmatrix_x4(bk, k_lds + (nt2 * 16 * kStride + ks * 16) * 2);
+        ldmatrix_x4(bk, k_lds + buffer + (nt2 * 16 * kStride + ks * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816<T>(s[mt][2 * nt2], a[mt], bk[0], bk[1]);
@@ -269,11 +287,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         pa[mt][kt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
       }
 
-    cp_async_wait<0>();
-    __syncthreads();  // V[n] landed; every warp is done reading K[n]
-    if (n > n_min) {
-      load_tile(sK, k_base, k_stride_s, n0 - kBlockN, kBlockN, seqlen_k);
-      cp_async_commit();
+    if constexpr (kStages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V[n] landed; every warp is done reading K[n]
+      if (n > n_min) {
+        load_tile(sK, k_base, k_stride_s, n0 - kBlockN, kBlockN, seqlen_k);
+        cp_async_commit();
+      }
     }
 
     // O += P V
@@ -282,7 +302,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
 #pragma unroll
       for (int dt2 = 0; dt2 < kDTiles / 2; ++dt2) {
         unsigned bv[4];
-        ldmatrix_x4_trans(bv, v_lds + (kt * 16 * kStride + dt2 * 16) * 2);
+        ldmatrix_x4_trans(bv, v_lds + buffer + (kt * 16 * kStride + dt2 * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816<T>(acc_o[mt][2 * dt2], pa[mt][kt], bv[0], bv[1]);

@@ -17,25 +17,27 @@ HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
 ELEMENT_BYTES = 2
 LOG2E = 1.0 / math.log(2.0)
 
-# The tile table: per compiled head dim, (block_m, block_n, warps) in order of preference; the
+# The tile table: per compiled head dim, (block_m, block_n, warps, stages) in order of preference; the
 # first whose shared memory fits the GPU is used. block_m / warps rows per warp: 32 rows (two m16
 # tiles, so each K/V fragment read from shared memory feeds two MMAs) where the O and S accumulators
 # fit the register file without spilling, 16 where the head dim is large (there 4 warps of 64 rows
 # beat 8 warps of 128 rows by 7-20% on H100). block_n is as large as
-# the 255 registers allow without a spill on sm_80 and sm_90a (the offline report checks it); the
-# sweeps behind these choices are in benchmarks/NOTES-sm80.md.
+# the 255 registers allow without a spill on sm_80 and sm_90a (the offline report checks it).
+# stages = 2 double-buffers K/V where the registers leave room for it (hdim 64); at hdim 128 it
+# spills and at 160-256 it halves the CTAs per SM. The sweeps behind these choices are in
+# benchmarks/NOTES-sm80.md.
 TILES = {
-    32: ((128, 128, 4),),
-    64: ((128, 96, 4), (128, 64, 4)),
-    96: ((128, 64, 4), (64, 64, 4)),
-    128: ((128, 64, 4), (64, 64, 4)),
-    160: ((64, 64, 4), (64, 32, 4)),
-    192: ((64, 64, 4), (64, 32, 4)),
-    224: ((64, 64, 4), (64, 32, 4)),
-    256: ((64, 64, 4), (64, 32, 4)),
+    32: ((128, 128, 4, 1),),
+    64: ((128, 64, 4, 2), (128, 64, 4, 1)),
+    96: ((128, 64, 4, 1), (64, 64, 4, 1)),
+    128: ((128, 64, 4, 1), (64, 64, 4, 1)),
+    160: ((64, 64, 4, 1), (64, 32, 4, 1)),
+    192: ((64, 64, 4, 1), (64, 32, 4, 1)),
+    224: ((64, 64, 4, 1), (64, 32, 4, 1)),
+    256: ((64, 64, 4, 1), (64, 32, 4, 1)),
 }
 # Varlen's per-sequence offsets cost a few registers more: where that tips a tile into spilling.
-VARLEN_TILES = {128: ((128, 48, 4), (64, 64, 4))}
+VARLEN_TILES = {128: ((128, 48, 4, 1), (64, 64, 4, 1))}
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide); a GPU not listed
 # gets the smallest, and at run time the device's own attribute decides.
@@ -67,6 +69,7 @@ class FwdSm80Variant(Variant):
     block_m: int
     block_n: int
     warps: int
+    stages: int  # K/V buffers: 1 (loads overlap half a block each) or 2 (a whole block, 2x shared memory)
     varlen: bool
     softcap: bool
 
@@ -75,6 +78,8 @@ class FwdSm80Variant(Variant):
             raise ValueError(f"fwd_sm80: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"fwd_sm80: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.stages not in (1, 2):
+            raise ValueError(f"fwd_sm80: stages={self.stages} must be 1 or 2")
         if self.block_m % (16 * self.warps) or self.block_n % 16:
             raise ValueError(f"fwd_sm80: block_m={self.block_m} must be whole m16 tiles per warp "
                              f"({self.warps} warps) and block_n={self.block_n} a multiple of 16")
@@ -85,25 +90,28 @@ class FwdSm80Variant(Variant):
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        # Q, K and V tiles, each row padded by 16 bytes (see the kernel).
-        return (self.block_m + 2 * self.block_n) * (self.headdim + 8) * ELEMENT_BYTES
+        # Q, and K and V tiles per stage, each row padded by 16 bytes (see the kernel).
+        return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages)
 
     def template_args(self) -> tuple[str, ...]:
         flag = lambda b: "true" if b else "false"
         return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_m), str(self.block_n), str(self.warps),
-                flag(self.varlen), flag(self.softcap))
+                str(self.stages), flag(self.varlen), flag(self.softcap))
 
 
 # Set by benchmarks/bench_fwd.py --tiles to time other rows of the table; None in normal use.
-tiles_override: dict[int, tuple[int, int, int]] | None = None
+tiles_override: dict[int, tuple[int, int, int, int]] | None = None
 
 
-def _tiles(headdim: int, varlen: bool, smem_limit: int) -> tuple[int, int, int]:
+def smem_bytes(headdim: int, block_m: int, block_n: int, stages: int) -> int:
+    return (block_m + 2 * stages * block_n) * (headdim + 8) * ELEMENT_BYTES
+
+
+def _tiles(headdim: int, varlen: bool, smem_limit: int) -> tuple[int, int, int, int]:
     if tiles_override and headdim in tiles_override:
         return tiles_override[headdim]
     for tiles in (VARLEN_TILES if varlen and headdim in VARLEN_TILES else TILES)[headdim]:
-        variant_smem = (tiles[0] + 2 * tiles[1]) * (headdim + 8) * ELEMENT_BYTES
-        if variant_smem <= smem_limit:
+        if smem_bytes(headdim, *tiles[:2], tiles[3]) <= smem_limit:
             return tiles
     raise ValueError(f"fwd_sm80 has no tile for headdim {headdim} within {smem_limit} bytes of shared memory")
 
