@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
     cp_async_wait<0>();
     __syncthreads();
   }
+  __syncwarp();  // every lane's last ldmatrix of these Q rows is done before any lane overwrites them
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
