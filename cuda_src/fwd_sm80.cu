@@ -202,10 +202,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         unsigned bk[4];
         ldmatrix_x4(bk, k_lds + buffer + (nt2 * 16 * kStride + ks * 16) * 2);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(s[mt][2 * nt2], a[mt], bk[0], bk[1]);
-          mma_16816<T>(s[mt][2 * nt2 + 1], a[mt], bk[2], bk[3]);
-        }
+        for (int mt = 0; mt < kMTiles; ++mt) mma_16816_x2<T>(s[mt][2 * nt2], s[mt][2 * nt2 + 1], a[mt], bk);
       }
     }
 
@@ -304,10 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         unsigned bv[4];
         ldmatrix_x4_trans(bv, v_lds + buffer + (kt * 16 * kStride + dt2 * 16) * 2);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(acc_o[mt][2 * dt2], pa[mt][kt], bv[0], bv[1]);
-          mma_16816<T>(acc_o[mt][2 * dt2 + 1], pa[mt][kt], bv[2], bv[3]);
-        }
+        for (int mt = 0; mt < kMTiles; ++mt) mma_16816_x2<T>(acc_o[mt][2 * dt2], acc_o[mt][2 * dt2 + 1], pa[mt][kt], bv);
       }
     }
   }

@@ -58,6 +58,14 @@ __device__ __forceinline__ void mma_16816<bfloat16_t>(float (&d)[4], const unsig
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Two adjacent n8 tiles from one ldmatrix_x4 of B: b = {b0, b1} of the first tile, then of the second.
+template <typename T>
+__device__ __forceinline__ void mma_16816_x2(float (&d0)[4], float (&d1)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[4]) {
+  mma_16816<T>(d0, a, b[0], b[1]);
+  mma_16816<T>(d1, a, b[2], b[3]);
+}
+
 // Two fp32 values -> one register of two 16-bit values, lo in the low half (round to nearest).
 template <typename T>
 __device__ __forceinline__ unsigned pack2(float lo, float hi);
