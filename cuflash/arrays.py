@@ -1,9 +1,9 @@
 """Framework detection, zero-copy views and streams.
 
 cuflash takes NumPy, CuPy, PyTorch and JAX arrays. Everything framework-specific lives here:
-what an array is (`describe`), a zero-copy NumPy view of a host array (`host_view`), the raw
-device pointer of a GPU array (`device_pointer`), allocating an output in the caller's
-framework (`empty`), and the caller's current stream (`current_stream`).
+what an array is (`describe`), a zero-copy NumPy view of a host array (`host_view`), a GPU array
+as a kernel sees it (`device_array`: address, shape, strides), allocating an output in the
+caller's framework (`empty`), and the caller's current stream (`current_stream`).
 
 No framework is imported here at module import: a framework is only looked at when the caller
 passes one of its arrays (it is then already in `sys.modules`).
@@ -189,17 +189,6 @@ def small_host_copy(x: Any) -> np.ndarray | None:
     if isinstance(x, _module("jax").core.Tracer):
         return None
     return np.asarray(x)
-
-
-def device_pointer(x: Any) -> int:
-    """The device address of a GPU array's first element (no copy, no synchronisation)."""
-    framework = framework_of(x)
-    if framework == "cupy":
-        return int(x.data.ptr)
-    if framework == "torch":
-        return int(x.data_ptr())
-    # JAX arrays and buffer_callback Buffers on GPU expose the CUDA array interface.
-    return int(x.__cuda_array_interface__["data"][0])
 
 
 _TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32")
