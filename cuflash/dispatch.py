@@ -53,8 +53,26 @@ def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], s
                       arrays.cupy_stream(stream))
 
 
+_plans: dict[tuple, tuple] = {}
+_MAX_PLANS = 4096
+
+
 def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
-    """The (family, variant) that runs `problem` on its GPU; NotImplementedError saying why not."""
+    """The (family, variant) that runs `problem` on its GPU; NotImplementedError saying why not.
+
+    Remembered per (problem, alignment of each input): families choose from the problem and the
+    inputs' 16-byte alignment only, and choosing again on every call costs more than a launch."""
+    key = (problem, tuple((a.ptr % 16, tuple(s % 8 for s in a.strides)) for a in device_inputs.values()))
+    chosen = _plans.get(key)
+    if chosen is None:
+        chosen = _choose(problem, device_inputs)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = chosen
+    return chosen
+
+
+def _choose(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
     from . import jit
 
     cc = jit.device_compute_capability(problem.device.index)

@@ -73,7 +73,9 @@ class Family:
     # (compute capability) -> the variants this family would use on that arch; `build` and the
     # offline report compile exactly these
     variants_for: Callable[[tuple[int, int]], tuple]
-    select: Callable[[Any, Any], Variant]  # (problem, device inputs) -> variant; ValueError if it can't serve it
+    # (problem, device inputs) -> variant; ValueError if it can't serve it. It may look at the inputs'
+    # 16-byte alignment but nothing else of them: dispatch remembers the choice on that basis.
+    select: Callable[[Any, Any], Variant]
     launch: Callable[..., None]  # (variant, function, problem, inputs, outputs, stream)
     dtypes: frozenset = frozenset(CXX_TYPES)
 

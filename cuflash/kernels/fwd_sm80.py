@@ -99,7 +99,8 @@ class FwdSm80Variant(Variant):
                 str(self.stages), flag(self.varlen), flag(self.softcap))
 
 
-# Set by benchmarks/bench_fwd.py --tiles to time other rows of the table; None in normal use.
+# Set by benchmarks/bench_fwd.py --tiles, before the first call, to time other rows of the table
+# (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, int]] | None = None
 
 
