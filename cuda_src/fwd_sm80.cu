@@ -9,7 +9,8 @@
 //   online softmax   on the S accumulators, in the log2 domain (exp2, scale * log2(e) folded in)
 //   O += P V         P re-packed from the S accumulators as the A operand, V through ldmatrix.trans
 //
-// V[n] is fetched while S[n] is computed and K[n-1] while O += P V[n] runs. O is divided by the
+// Single-stage (kStages = 1): V[n] is fetched while S[n] is computed and K[n-1] while O += P V[n]
+// runs. Two-stage: K[n-1] and V[n-1] land in the other buffer pair during all of block n. O is divided by the
 // row sum once, at the end, then staged through shared memory for 16-byte stores; the LSE goes
 // out in natural log. Rows beyond seqlen_q, keys beyond seqlen_k and head-dim columns beyond
 // `headdim` (kHeadDim is the padded size) are zero-filled on load and never stored.
