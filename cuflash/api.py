@@ -90,9 +90,10 @@ def _features(headdim: int, causal: Any, softmax_scale: Any, window: Any, softca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(headdim)
     else:
-        softmax_scale = _finite_float("softmax_scale", softmax_scale, "a finite float > 0, or None for 1/sqrt(headdim)")
+        expected = "a finite float > 0, or None for 1/sqrt(headdim)"
+        softmax_scale = _finite_float("softmax_scale", softmax_scale, expected)
         if softmax_scale <= 0:  # the kernels take each row's max on unscaled scores
-            raise ValueError(f"softmax_scale must be a finite float > 0, or None for 1/sqrt(headdim); got {softmax_scale}")
+            raise ValueError(f"softmax_scale must be {expected}; got {softmax_scale}")
     return dict(causal=bool(causal), window_left=left, window_right=right,
                 softmax_scale=softmax_scale, softcap=softcap)
 

@@ -220,10 +220,14 @@ class _StreamHandle:
 
 
 @lru_cache(maxsize=64)
-def cupy_stream(ptr: int):
-    """A CuPy stream object for a raw handle (torch's, XLA's or CuPy's own), for launching on it.
-    Cached: it only wraps the handle, and making one costs more than the launch."""
-    return _module("cupy").cuda.Stream.from_external(_StreamHandle(ptr))
+def cupy_stream(ptr: int, device_index: int):
+    """A CuPy stream object for a raw handle (torch's, XLA's or CuPy's own) on GPU `device_index`,
+    for launching on it. Cached per (handle, device): it only wraps the handle, and making one costs
+    more than the launch; the device is part of the key because the same handle (0, the legacy
+    default stream) names a different stream on each GPU."""
+    cupy = _module("cupy")
+    with cupy.cuda.Device(device_index):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
 
 
 def current_stream(framework: str, device: Device) -> int:

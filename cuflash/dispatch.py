@@ -50,7 +50,7 @@ def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], s
     with cupy.cuda.Device(problem.device.index):
         function = jit.get_function(variant, problem.device.index)
         family.launch(variant, function, problem, device_inputs, device_outputs,
-                      arrays.cupy_stream(stream))
+                      arrays.cupy_stream(stream, problem.device.index))
 
 
 _plans: dict[tuple, tuple] = {}
@@ -62,6 +62,8 @@ def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
 
     Remembered per (problem, alignment of each input): families choose from the problem and the
     inputs' 16-byte alignment only, and choosing again on every call costs more than a launch."""
+    # ptr mod 16 and element strides mod 8 determine 16-byte row alignment for any element size of
+    # 2 bytes or more (a finer key than needed for wider elements, never a coarser one)
     key = (problem, tuple((a.ptr % 16, tuple(s % 8 for s in a.strides)) for a in device_inputs.values()))
     chosen = _plans.get(key)
     if chosen is None:

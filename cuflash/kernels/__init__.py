@@ -54,6 +54,15 @@ class Variant:
         return "/".join(parts)
 
 
+ROW_ALIGN_BYTES = 16  # one cp.async chunk or vector load
+
+
+def rows_aligned(array, itemsize: int) -> bool:
+    """Every row of `array` (a DeviceArray; all dimensions but the last) starts on a 16-byte
+    boundary: what 16-byte vector loads and cp.async need."""
+    return array.ptr % ROW_ALIGN_BYTES == 0 and all((s * itemsize) % ROW_ALIGN_BYTES == 0 for s in array.strides[:-1])
+
+
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz
+from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
 
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 THREADS = 128
-VECTOR_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -51,15 +50,10 @@ VARIANTS = tuple(BwdPreprocessVariant(dtype, headdim, vec)
                  for dtype in sorted(CXX_TYPES) for headdim in HEADDIMS for vec in (8, 1))
 
 
-def _aligned(array, itemsize: int) -> bool:
-    """Every row of `array` (a DeviceArray) starts on a VECTOR_BYTES boundary."""
-    return array.ptr % VECTOR_BYTES == 0 and all((s * itemsize) % VECTOR_BYTES == 0 for s in array.strides[:-1])
-
-
 def select(problem, inputs) -> BwdPreprocessVariant:
     if problem.headdim not in HEADDIMS:
         raise ValueError(f"bwd_preprocess has no variant for headdim {problem.headdim} (has {HEADDIMS})")
-    vec = 8 if all(_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
+    vec = 8 if all(rows_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
     return BwdPreprocessVariant(problem.dtype, problem.headdim, vec)
 
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz
+from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
@@ -137,7 +137,7 @@ def select(problem, inputs) -> FwdSm80Variant:
                          f"got {problem.headdim}")
     for name in ("q", "k", "v"):
         array = inputs[name]
-        if array.ptr % 16 or any((s * ELEMENT_BYTES) % 16 for s in array.strides[:-1]):
+        if not rows_aligned(array, ELEMENT_BYTES):
             raise ValueError(f"fwd_sm80 loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
                              f"strides that are multiples of 8 elements (got strides {array.strides}); "
                              "pass a contiguous copy")
