@@ -66,16 +66,25 @@ def host_overhead_us(torch, cuflash) -> float:
     return (time.perf_counter() - t0) / 200 * 1e6
 
 
+def tiles_used(args, impl: str, headdim: int) -> str | None:
+    """The overridden tile row this implementation ran with, if any."""
+    table = args.sm90_tiles if impl == "cuflash" else args.tiles if impl == "cuflash-sm80" else None
+    return str(table.get(headdim)) if table else None
+
+
 def run_torch(args) -> list[dict]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash
-    from cuflash.kernels import fwd_sm80
+    from cuflash.kernels import fwd_sm80, fwd_sm90
 
-    if args.tiles:  # time other rows of the tile table
+    if args.tiles:  # time other rows of the tile tables
         fwd_sm80.tiles_override = args.tiles
+    if args.sm90_tiles:
+        fwd_sm90.tiles_override = args.sm90_tiles
+    fwd_sm90.persistent = args.sm90_grid == "sms"
     print(f"host time per cuflash.attention call (tiny problem): {host_overhead_us(torch, cuflash):.1f} us",
           flush=True)
     rows = []
@@ -93,6 +102,7 @@ def run_torch(args) -> list[dict]:
             return call
 
         impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal),
+                 "cuflash-sm80": lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80"),
                  "torch-flash": peer(SDPBackend.FLASH_ATTENTION),
                  "torch-cudnn": peer(SDPBackend.CUDNN_ATTENTION)}
         ref = impls["torch-flash"]().transpose(1, 2)
@@ -100,9 +110,9 @@ def run_torch(args) -> list[dict]:
         for name, call in list(impls.items()):
             try:
                 out = call()
-                out = out if name == "cuflash" else out.transpose(1, 2)
+                out = out if name.startswith("cuflash") else out.transpose(1, 2)
                 errors[name] = (out.float() - ref.float()).abs().max().item()
-            except RuntimeError as e:  # a peer that cannot run this configuration
+            except (RuntimeError, NotImplementedError) as e:  # a peer that cannot run this configuration
                 print(f"  {name} unavailable for {dtype_name} d={headdim} s={seqlen}: {str(e)[:120]}", flush=True)
                 del impls[name]
         for _ in range(args.warmup):
@@ -129,7 +139,7 @@ def run_torch(args) -> list[dict]:
             spread = (statistics.quantiles(ts, n=10)[-1] - statistics.quantiles(ts, n=10)[0]) / ms
             rows.append(dict(impl=name, dtype=dtype_name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
                              nheads=nheads, ms=ms, tflops=f / ms / 1e9, spread_p10_p90=spread,
-                             tiles=str(args.tiles.get(headdim)) if args.tiles and name == "cuflash" else None,
+                             tiles=tiles_used(args, name, headdim),
                              max_abs_diff_vs_torch_flash=errors[name], **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
         print(f"{dtype_name} d={headdim:3d} causal={int(causal)} s={seqlen:5d}: {line}  "
@@ -203,6 +213,12 @@ def main(argv=None) -> int:
                         "e.g. 128:128x64x4x1,64:128x128x4x2 (headdim:block_m x block_n x warps x stages)",
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
                                         for hd, t in (item.split(":") for item in s.split(","))})
+    parser.add_argument("--sm90-tiles", default=None, help="fwd_sm90 tiles to time instead of the table's, "
+                        "e.g. 128:128x2x1 (headdim:block_n x stages x pingpong)",
+                        type=lambda s: {int(hd): tuple(int(x) for x in t.split("x")[:2]) + (bool(int(t.split("x")[2])),)
+                                        for hd, t in (item.split(":") for item in s.split(","))})
+    parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
+                        help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = run_jax(args) if args.jax else run_torch(args)

@@ -9,7 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-PEERS = ("torch-flash", "torch-cudnn", "jax-cudnn")
+# cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
+PEERS = ("cuflash-sm80", "torch-flash", "torch-cudnn", "jax-cudnn")
 
 
 def render(results: list[dict]) -> str:

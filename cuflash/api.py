@@ -5,6 +5,7 @@ given and what is expected. Nothing below this module re-validates user input.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -110,6 +111,20 @@ def _finite_float(name: str, value: Any, expected: str) -> float:
     return result
 
 
+def _check_backend(backend: Any, op: str, device) -> str | None:
+    if backend is None:
+        return None
+    from . import kernels
+
+    names = kernels.backends_for(op)
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be None (cuflash chooses) or one of {names}; got {backend!r}")
+    if not device.is_cuda:
+        raise ValueError(f"backend={backend!r} names a GPU kernel family, but the arrays are on {device}; "
+                         "pass GPU arrays or leave backend=None for the NumPy reference")
+    return backend
+
+
 def _check_return_lse(return_lse: Any) -> bool:
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
@@ -145,7 +160,8 @@ def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple) ->
                    headdim=headdim, **_features(headdim, *features))
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+              backend=None):
     """Scaled dot-product attention, FlashAttention semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with nheads a
@@ -159,10 +175,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     Returns out (the caller's framework, q's dtype, shape of q) and, with return_lse=True,
     (out, lse) where lse is float32 (batch, nheads, seqlen_q), the natural log of each row's sum of
     exp(scores). NumPy and other CPU arrays run on the NumPy reference; GPU arrays on cuflash's kernels.
+    backend=None picks the fastest kernel family that serves the call; "sm90" or "sm80" forces one
+    (NotImplementedError saying why, if it can't).
     """
     return_lse = _check_return_lse(return_lse)
     infos = _describe_all(dict(q=q, k=k, v=v))
     problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
+    problem = dataclasses.replace(problem, backend=_check_backend(backend, problem.op, problem.device))
     lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
     out, lse = dispatch.run(problem, dict(q=q, k=k, v=v),
                             dict(out=(infos["q"].shape, problem.dtype), lse=(lse_shape, "float32")))
@@ -276,7 +295,7 @@ def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any],
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, backend=None):
     """`attention` over packed sequences of different lengths.
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_kv, headdim); sequence b is rows
@@ -284,12 +303,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_seqlen_q/max_seqlen_k bound the sequence lengths. Masks align bottom-right per sequence.
     lse: float32 (nheads, total_q). cu_seqlens values are checked on the host (a small copy; for GPU
     arrays a synchronisation); under jax.jit they are unknown and only their shape is checked.
+    backend: as for `attention`.
     """
     return_lse = _check_return_lse(return_lse)
     named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     infos = _describe_all(named)
     problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k,
                               (causal, softmax_scale, window, softcap))
+    problem = dataclasses.replace(problem, backend=_check_backend(backend, problem.op, problem.device))
     out, lse = dispatch.run(problem, named, dict(out=(infos["q"].shape, problem.dtype),
                                                  lse=((problem.nheads, problem.total_q), "float32")))
     return (out, lse) if return_lse else out

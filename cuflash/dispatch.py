@@ -60,11 +60,10 @@ _MAX_PLANS = 4096
 def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
     """The (family, variant) that runs `problem` on its GPU; NotImplementedError saying why not.
 
-    Remembered per (problem, alignment of each input): families choose from the problem and the
-    inputs' 16-byte alignment only, and choosing again on every call costs more than a launch."""
-    # ptr mod 16 and element strides mod 8 determine 16-byte row alignment for any element size of
-    # 2 bytes or more (a finer key than needed for wider elements, never a coarser one)
-    key = (problem, tuple((a.ptr % 16, tuple(s % 8 for s in a.strides)) for a in device_inputs.values()))
+    Remembered per (problem, each input's address mod 16 and strides): families choose from the
+    problem and the inputs' alignment and strides only, and choosing again on every call costs
+    more than a launch."""
+    key = (problem, tuple((a.ptr % 16, a.strides) for a in device_inputs.values()))
     chosen = _plans.get(key)
     if chosen is None:
         chosen = _choose(problem, device_inputs)
@@ -79,9 +78,9 @@ def _choose(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
 
     cc = jit.device_compute_capability(problem.device.index)
     reasons = []
-    for family in kernels.families_for(problem.op):
+    for family in kernels.families_for(problem.op, problem.backend):
         if not family.runs_on(cc):
-            reasons.append(f"{family.name} needs compute capability >= {family.min_compute_capability}")
+            reasons.append(f"{family.name} needs {family.requirement}")
             continue
         if problem.dtype not in family.dtypes:
             reasons.append(f"{family.name} takes {sorted(family.dtypes)}")
@@ -91,6 +90,8 @@ def _choose(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
         except ValueError as e:
             reasons.append(str(e))
     why = "; ".join(reasons) if reasons else "no GPU kernel family implements this operation yet"
+    if problem.backend:
+        why = f"backend={problem.backend!r}: {why}"
     raise NotImplementedError(f"cuflash cannot run {problem.op} on GPU {problem.device} "
                               f"(compute capability {cc[0]}.{cc[1]}, dtype {problem.dtype}, "
                               f"headdim {problem.headdim}): {why}")

@@ -132,6 +132,9 @@ def offline_report(arch: str, variants, jobs: int = 2) -> list[dict]:
             static_shared_bytes=resources.shared_static,
             dynamic_shared_bytes=variant.dynamic_shared_bytes,
             local_memory_instructions=opcodes.get("LDL", 0) + opcodes.get("STL", 0),
+            # ptxas' numbered notes, e.g. C7515 "wgmma.mma_async instructions are serialized"
+            ptxas_notes=sorted({line.split(")", 1)[0].split("(")[-1] for line in program.log.splitlines()
+                                if "(C7" in line}),
             sass_opcodes=dict(sorted(opcodes.items(), key=lambda kv: (-kv[1], kv[0]))),
         )
 

@@ -23,6 +23,7 @@ class Problem:
     For varlen ops `batch` is the number of sequences and `seqlen_q`/`seqlen_k` are the callers'
     max_seqlen_q/max_seqlen_k; `total_q`/`total_k` are the packed lengths (0 for dense ops).
     `window_left`/`window_right` already include `causal` (causal means right = 0); -1 is unbounded.
+    `backend` None lets dispatch choose the kernel family.
     """
 
     op: str
@@ -42,6 +43,7 @@ class Problem:
     softcap: float = 0.0
     total_q: int = 0
     total_k: int = 0
+    backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
 
     def __post_init__(self):
         assert self.op in OPS, self.op

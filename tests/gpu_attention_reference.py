@@ -1,5 +1,5 @@
 """Attention in torch on the GPU, for the GPU tests: the float32/float64 reference of the
-contract (checked against cuflash.reference in test_gpu_fwd_sm80) and the "plain low-precision
+contract (checked against cuflash.reference in test_gpu_fwd) and the "plain low-precision
 implementation" FlashAttention's test criterion compares against (scores, softmax and PV in
 the input dtype)."""
 import math

@@ -1,6 +1,7 @@
 """Representative calls of every kernel family, small enough for compute-sanitizer (memcheck,
 racecheck, synccheck): aligned and misaligned, fp16 and bf16, odd shapes, empty rows, varlen,
-each head dim class and both K/V pipelines. Run by tests/device_check.sh."""
+each head dim class and both K/V pipelines; the forward on every backend this GPU has (fwd_sm90
+on Hopper besides fwd_sm80). Run by tests/device_check.sh."""
 import cupy as cp, numpy as np, ml_dtypes
 import cuflash
 from cuflash import api, reference
@@ -14,13 +15,17 @@ for dtype, shape, offset in (("float16", (2, 129, 3, 128), 0), ("bfloat16", (1, 
     print("bwd_preprocess", dtype, shape, float(np.abs(d.get() - reference.backward_preprocess(cp.asnumpy(g).astype(np.float64), cp.asnumpy(o).astype(np.float64))).max()))
 CASES = (("bfloat16", 200, 333, 4, 2, 128, dict(causal=True)), ("float16", 77, 50, 2, 1, 64, dict(window=(16, 8), softcap=5.0)),
          ("bfloat16", 130, 130, 2, 2, 256, {}), ("float16", 65, 1, 2, 2, 40, dict(causal=True)),
-         ("float16", 300, 300, 2, 2, 64, {}), ("bfloat16", 129, 257, 2, 1, 32, dict(window=(40, -1))))
-for dtype, sq, sk, h, hkv, d, kw in CASES:
-    q, k, v = randn((1, sq, h, d), dtype), randn((1, sk, hkv, d), dtype), randn((1, sk, hkv, d), dtype)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
-    ref, _ = reference.forward(*(cp.asnumpy(x).astype(np.float64) for x in (q, k, v)), **kw)
-    print("fwd_sm80", dtype, (sq, sk, h, hkv, d), kw, float(np.abs(cp.asnumpy(out).astype(np.float64) - ref).max()))
-cu = cp.asarray(np.array([0, 5, 5, 140], np.int32))
-q, k = randn((140, 4, 64), "float16"), randn((140, 2, 64), "float16")
-out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True)
-print("fwd_sm80 varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
+         ("float16", 300, 300, 2, 2, 64, {}), ("bfloat16", 129, 257, 2, 1, 32, dict(window=(40, -1))),
+         # more tiles than a Hopper has SMs: the persistent fwd_sm90 runs several tiles per CTA
+         ("bfloat16", 600, 600, 32, 8, 64, dict(causal=True)), ("float16", 300, 300, 48, 48, 256, {}))
+BACKENDS = ["sm80"] + (["sm90"] if cp.cuda.Device().compute_capability == "90" else [])
+for backend in BACKENDS:
+    for dtype, sq, sk, h, hkv, d, kw in CASES:
+        q, k, v = randn((1, sq, h, d), dtype), randn((1, sk, hkv, d), dtype), randn((1, sk, hkv, d), dtype)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **kw)
+        ref, _ = reference.forward(*(cp.asnumpy(x).astype(np.float64) for x in (q, k, v)), **kw)
+        print(backend, dtype, (sq, sk, h, hkv, d), kw, float(np.abs(cp.asnumpy(out).astype(np.float64) - ref).max()))
+    cu = cp.asarray(np.array([0, 5, 5, 140], np.int32))
+    q, k = randn((140, 4, 64), "float16"), randn((140, 2, 64), "float16")
+    out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True, backend=backend)
+    print(backend, "varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))

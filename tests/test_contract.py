@@ -302,6 +302,12 @@ def _feature_cases():
         bad(QKV_OPS, label, exc, match, kw=kw)
     for label, value in (("1", 1), ("None", None), ("str", "True"), ("array", np.array(True))):
         bad(FORWARDS, f"return_lse-{label}", TypeError, rf"^return_lse must be a bool; got", kw=dict(return_lse=value))
+    for label, value in (("unknown", "sm70"), ("family-name", "fwd_sm90"), ("int", 90), ("upper", "SM90")):
+        bad(FORWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80', 'sm90'\]",
+            kw=dict(backend=value))
+    # On CPU arrays a kernel backend cannot run: nothing is copied to a GPU behind the caller's back.
+    bad(FORWARDS, "backend-on-cpu", ValueError, r"^backend='sm90' names a GPU kernel family, but the arrays are on cpu",
+        kw=dict(backend="sm90"))
 
 
 def _backward_cases():

@@ -66,3 +66,34 @@ def test_fwd_sm80_sass_uses_the_tensor_core_path(report):
         ops = r["sass_opcodes"]
         for opcode in ("HMMA", "LDSM", "LDGSTS", "MUFU"):
             assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"
+
+
+def test_fwd_sm90_sass_uses_the_hopper_path(report):
+    """wgmma -> HGMMA, TMA -> UTMALDG, mbarriers -> SYNCS, setmaxnreg -> USETMAXREG; and ptxas did
+    not serialise the wgmmas (C7510/C7515: accumulators touched mid-pipeline, or registers short)."""
+    arch, _, rows = report
+    fwd = [r for r in rows if r["family"] == "fwd_sm90"]
+    if arch != "sm_90a":
+        assert not fwd, "sm_90a kernels must not be offered to other archs"
+        return
+    assert fwd
+    for r in fwd:
+        ops = r["sass_opcodes"]
+        for opcode in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU"):
+            assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"
+        assert not {"C7510", "C7515"} & set(r["ptxas_notes"]), f"{r['uri']}: wgmma serialised {r['ptxas_notes']}"
+
+
+def test_fwd_sm90_register_split_fits_the_register_file():
+    """setmaxnreg moves registers between warpgroups of one CTA: the producer's and two consumers'
+    budgets must fit 64K registers, and ptxas' cap at launch (384 threads, 1 block) must not be
+    above what the producer gives back plus what the consumers take."""
+    import re
+
+    from cuflash.jit import source_dir
+
+    text = (source_dir() / "fwd_sm90.cu").read_text()
+    producer = int(re.search(r"kProducerRegisters = (\d+);", text).group(1))
+    consumer = int(re.search(r"kConsumerRegisters = (\d+);", text).group(1))
+    assert 128 * (producer + 2 * consumer) <= 65536
+    assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer <= consumer <= 256

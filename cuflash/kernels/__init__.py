@@ -76,6 +76,7 @@ def check_grid_yz(family: str, nheads: int, batch: int) -> None:
 @dataclass(frozen=True)
 class Family:
     name: str
+    backend: str  # what `backend=` names to force this family, e.g. "sm80"
     ops: tuple[str, ...]  # the Problem.ops it serves
     description: str
     min_compute_capability: tuple[int, int]
@@ -83,26 +84,46 @@ class Family:
     # offline report compile exactly these
     variants_for: Callable[[tuple[int, int]], tuple]
     # (problem, device inputs) -> variant; ValueError if it can't serve it. It may look at the inputs'
-    # 16-byte alignment but nothing else of them: dispatch remembers the choice on that basis.
+    # alignment and strides but not at their contents: dispatch remembers the choice on that basis.
     select: Callable[[Any, Any], Variant]
     launch: Callable[..., None]  # (variant, function, problem, inputs, outputs, stream)
     dtypes: frozenset = frozenset(CXX_TYPES)
+    # Arch-specific code (sm_90a) runs on one compute capability only.
+    max_compute_capability: tuple[int, int] | None = None
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
-        return tuple(compute_capability) >= self.min_compute_capability
+        cc = tuple(compute_capability)
+        return cc >= self.min_compute_capability and (self.max_compute_capability is None
+                                                      or cc <= self.max_compute_capability)
+
+    @property
+    def requirement(self) -> str:
+        """The compute capabilities it runs on, in words."""
+        low = "{}.{}".format(*self.min_compute_capability)
+        if self.max_compute_capability is None:
+            return f"compute capability >= {low}"
+        high = "{}.{}".format(*self.max_compute_capability)
+        return f"compute capability {low}" if high == low else f"compute capability {low} to {high}"
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess, fwd_sm80
+    from . import bwd_preprocess, fwd_sm80, fwd_sm90
 
-    return (fwd_sm80.FAMILY, bwd_preprocess.FAMILY)
+    # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
+    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, bwd_preprocess.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}
 
 
-def families_for(op: str) -> list[Family]:
-    return [f for f in FAMILIES.values() if op in f.ops]
+def families_for(op: str, backend: str | None = None) -> list[Family]:
+    """The families serving `op`, in order of preference; only those of `backend` when given."""
+    return [f for f in FAMILIES.values() if op in f.ops and backend in (None, f.backend)]
+
+
+def backends_for(op: str) -> list[str]:
+    """The names `backend=` accepts for `op`."""
+    return sorted({f.backend for f in families_for(op)})
 
 
 def variants_for(compute_capability: tuple[int, int], family_names=None) -> list[Variant]:

@@ -72,6 +72,7 @@ def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, st
 
 FAMILY = Family(
     name="bwd_preprocess",
+    backend="sm80",
     ops=("backward_preprocess",),
     description="delta = rowsum(dout * out) in fp32, the FlashAttention backward's first step",
     variants_for=lambda compute_capability: VARIANTS,

@@ -147,28 +147,37 @@ def select(problem, inputs) -> FwdSm80Variant:
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
 
+def output_strides(problem, inputs, out, lse):
+    """Strides of out (elements) and lse for the kernels' parameter structs, and the cu_seqlens
+    pointers: varlen tensors are (total, heads, dim) with no batch stride, sequences starting at
+    cu_seqlens."""
+    if problem.varlen:
+        return (0, *out.strides[:2]), (0, lse.strides[0]), inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
+    return out.strides[:3], lse.strides[:2], 0, 0
+
+
+def softmax_constants(problem) -> tuple[float, float, float]:
+    """(scale_log2, softcap_scale, softcap). With softcap the kernels cap
+    softcap * tanh(s * scale / softcap) first, then scale by log2(e)."""
+    softcap = problem.softcap
+    if softcap:
+        return LOG2E, problem.softmax_scale / softcap, softcap
+    return problem.softmax_scale * LOG2E, 0.0, 0.0
+
+
 def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     if blocks_m * problem.nheads * problem.batch == 0:
         return
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     out, lse = outputs["out"], outputs["lse"]
-    if problem.varlen:  # (total, heads, dim): no batch stride; sequences start at cu_seqlens
-        strides = [(0, *x.strides[:2]) for x in (q, k, v, out)]
-        lse_strides = (0, lse.strides[0])
-        cu_q, cu_k = inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
-    else:
-        strides = [x.strides[:3] for x in (q, k, v, out)]
-        lse_strides = lse.strides[:2]
-        cu_q = cu_k = 0
-    softcap = problem.softcap
-    # With softcap the kernel caps softcap * tanh(s * scale / softcap) first, then scales by log2(e).
-    scale_log2 = LOG2E if softcap else problem.softmax_scale * LOG2E
+    o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
+    token_strides = [(0, *x.strides[:2]) if problem.varlen else x.strides[:3] for x in (q, k, v)]
     params = np.empty(1, FWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k, *strides[0], *strides[1], *strides[2],
-                 *strides[3], *lse_strides, problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv,
-                 problem.headdim, problem.window_left, problem.window_right, scale_log2,
-                 problem.softmax_scale / softcap if softcap else 0.0, softcap, 0)
+    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k, *token_strides[0], *token_strides[1],
+                 *token_strides[2], *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
+                 problem.nheads // problem.nheads_kv, problem.headdim, problem.window_left, problem.window_right,
+                 *softmax_constants(problem), 0)
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
         function((blocks_m, problem.nheads, problem.batch), (variant.threads,), (params.view(PARAMS_BYTES),),
                  shared_mem=variant.dynamic_shared_bytes)
@@ -176,6 +185,7 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
 
 FAMILY = Family(
     name="fwd_sm80",
+    backend="sm80",
     ops=("attention_forward", "attention_varlen_forward"),
     description="FlashAttention-2 forward on mma.sync m16n8k16 (sm_80+; the fallback on Hopper)",
     min_compute_capability=(8, 0),

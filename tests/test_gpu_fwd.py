@@ -1,4 +1,5 @@
-"""fwd_sm80 on the GPU against the reference, FlashAttention's criterion: cuflash's max abs error
+"""The forward kernel families (fwd_sm80 everywhere, fwd_sm90 on Hopper), each forced through
+`backend=`, on the GPU against the reference, FlashAttention's criterion: cuflash's max abs error
 against a float32 reference from the same fp16/bf16 inputs is at most 2x that of a plain
 low-precision implementation, plus 1e-5; the LSE within 1e-3 relative; NaN never passes; outputs
 are poisoned before every call, and a second identical call must give the same bits (a moving
@@ -24,6 +25,16 @@ HEADDIMS = st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256, 40, 72, 80, 200
 MAX_SCORES = 2**26  # batch * nheads * seqlen_q * seqlen_k per example, to bound the reference's memory
 
 
+def _backends():
+    if not torch.cuda.is_available():
+        return ["sm80", "sm90"]  # collected, then skipped by the gpu marker
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    return ["sm80", pytest.param("sm90", marks=pytest.mark.skipif(not sm90, reason="fwd_sm90 needs compute capability 9.0"))]
+
+
+BACKENDS = pytest.mark.parametrize("backend", _backends())
+
+
 @st.composite
 def features(draw):
     causal = draw(st.booleans())
@@ -45,15 +56,15 @@ def _strided(shape, dtype, layout, generator):
     return torch.randn(b, s, h, d, device="cuda", generator=generator).to(dtype)
 
 
-def _problem(op, q, k, **kw):
-    """The Problem api.py would build (keywords already normalised)."""
+def _problem(op, q, k, backend, **kw):
+    """The Problem api.py would build (keywords already normalised), forced onto `backend`."""
     left, right = reference.window_bounds(kw["causal"], kw["window"])
     scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(q.shape[-1])
     return Problem(op=op, framework="torch", device=arrays.Device("cuda", q.device.index or 0),
                    dtype=str(q.dtype).removeprefix("torch."), batch=q.shape[0], seqlen_q=q.shape[1],
                    seqlen_k=k.shape[1], nheads=q.shape[2], nheads_kv=k.shape[2], headdim=q.shape[-1],
                    causal=kw["causal"], window_left=left, window_right=right, softmax_scale=scale,
-                   softcap=float(kw["softcap"]))
+                   softcap=float(kw["softcap"]), backend=backend)
 
 
 def _run_poisoned(problem, inputs, out_shape, lse_shape, dtype):
@@ -78,18 +89,19 @@ def _check(out, lse, q, k, v, kw):
     return err, low_err
 
 
+@BACKENDS
 @settings(max_examples=200)
 @given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=HEADDIMS, batch=st.integers(1, 4),
        seqlen_q=SEQLENS, seqlen_k=SEQLENS, nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
        kw=features(), layout=st.sampled_from(["contiguous", "bhsd", "padded"]), seed=st.integers(0, 2**31 - 1))
-def test_forward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, layout, seed):
+def test_forward_matches_reference(backend, dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, layout, seed):
     nheads = nheads_kv * group
     assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = _strided((batch, seqlen_q, nheads, headdim), dtype, layout, g)
     k = _strided((batch, seqlen_k, nheads_kv, headdim), dtype, layout, g)
     v = _strided((batch, seqlen_k, nheads_kv, headdim), dtype, layout, g)
-    problem = _problem("attention_forward", q, k, **kw)
+    problem = _problem("attention_forward", q, k, backend, **kw)
     inputs = dict(q=q, k=k, v=v)
     out, lse = _run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
     _check(out, lse, q, k, v, kw)
@@ -97,21 +109,23 @@ def test_forward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nh
     assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
 
 
+@BACKENDS
 @settings(max_examples=60)
 @given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=st.sampled_from([64, 128, 96, 256]),
        lens=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 700)), min_size=1, max_size=5),
        nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 4]), kw=features(), seed=st.integers(0, 2**31 - 1))
-def test_varlen_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, kw, seed):
+def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nheads_kv, group, kw, seed):
     nheads = nheads_kv * group
     g = torch.Generator(device="cuda").manual_seed(seed)
     cu_q = torch.tensor(np.concatenate([[0], np.cumsum([a for a, _ in lens])]), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor(np.concatenate([[0], np.cumsum([b for _, b in lens])]), dtype=torch.int32, device="cuda")
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    assume(backend != "sm90" or (total_q and total_k))  # TMA cannot describe an empty tensor (sm80 serves it)
     q = torch.randn(total_q, nheads, headdim, device="cuda", generator=g).to(dtype)
     k = torch.randn(total_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
     v = torch.randn(total_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
     max_q, max_k = max(a for a, _ in lens), max(b for _, b in lens)
-    problem = _problem("attention_forward", q[None], k[None], **kw)
+    problem = _problem("attention_forward", q[None], k[None], backend, **kw)
     problem = dataclasses.replace(problem, op="attention_varlen_forward", batch=len(lens), seqlen_q=max_q,
                                   seqlen_k=max_k, total_q=total_q, total_k=total_k)
     out, lse = _run_poisoned(problem, dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q.shape,
@@ -120,6 +134,24 @@ def test_varlen_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, 
         sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
+
+
+def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Hopper only")
+    q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    problem = _problem("attention_forward", q, q, None, causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    inputs = {n: arrays.device_array(q) for n in "qkv"}
+    assert dispatch.plan(problem, inputs)[0].name == "fwd_sm90"
+    broadcast = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.bfloat16).expand(1, 64, 2, 128)  # head stride 0
+    problem_bc = dataclasses.replace(problem, nheads_kv=2)
+    family, _ = dispatch.plan(problem_bc, dict(inputs, k=arrays.device_array(broadcast)))
+    assert family.name == "fwd_sm80"
+    with pytest.raises(NotImplementedError, match="backend='sm90'.*TMA"):
+        cuflash.attention(q, broadcast, broadcast, backend="sm90")
+    out = cuflash.attention(q, broadcast, broadcast)  # the fallback serves it
+    _check(out, cuflash.attention(q, broadcast, broadcast, return_lse=True)[1], q, broadcast, broadcast,
+           dict(causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None))
 
 
 def test_public_entry_points_run_the_kernel():

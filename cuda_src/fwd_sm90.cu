@@ -1,0 +1,485 @@
+// FlashAttention forward for Hopper (sm_90a): warp-specialised TMA producer, wgmma consumers,
+// persistent over output tiles.
+//
+// The grid is one CTA per SM. Output tiles are kBlockM = 128 query rows of one (batch, head),
+// numbered m-block fastest (a head's row blocks run side by side and share K and V in L2), latest
+// row block first (for causal, the longest tiles go first). CTA c starts with tile c and then takes
+// the next untaken tile from a global counter, so tiles of unequal length (causal) balance out as
+// they would under the hardware's own block scheduler. The producer draws the indices and hands
+// each to the consumers at a named barrier all of them sync on, once it has issued the tile's Q and
+// first kStages K/V loads: those overlap the end of the previous tile. Three warpgroups:
+//   warpgroup 0   producer: gives registers away (setmaxnreg), and one thread issues TMA loads
+//                 of each tile's Q and of K and V tiles into a kStages-deep ring, each completing
+//                 on a "full" mbarrier; it refills a slot (or Q) when the consumers arrive on its
+//                 "empty" one. The ring runs on across tiles, so the next tile's K and V load while
+//                 the consumers finish the current one.
+//   warpgroups 1, 2  consumers: each owns 64 of the rows and takes registers (setmaxnreg).
+//                 S = Q K^T is a wgmma with both operands in shared memory (K-major, 128-byte
+//                 swizzle); the online softmax runs on the S accumulators in the log2 domain; P is
+//                 packed to 16 bits in registers and O += P V is a wgmma with A from registers and
+//                 V MN-major from shared memory.
+// Within a consumer, block j's softmax overlaps block j-1's P V: S(j) and PV(j-1) are issued
+// back to back and the warpgroup waits only for S(j) before the softmax, then for PV(j-1) before
+// rescaling O and packing the new P (the P registers are read by PV(j-1) until then).
+// With kPingPong the two consumers take turns to issue their GEMMs (two named barriers), so one
+// warpgroup's softmax runs while the tensor cores work through the other's GEMMs.
+// Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
+// first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim/64 atoms][rows][64
+// elements], 128 bytes a row, TMA's 128-byte swizzle, exactly what the wgmma descriptors read.
+// Rows beyond seqlen_q and keys beyond seqlen_k come back from TMA as zeros (dense) or belong to
+// the next sequence (varlen); keys are masked, rows are never stored. Head-dim columns beyond
+// `headdim` (kHeadDim is padded to a multiple of 64) are out of bounds for TMA: zeros.
+// Each consumer releases Q once its last GEMM of the tile is done, so the next tile's Q loads while
+// it divides O by the row sums and stores it straight from the accumulators (a quad of threads
+// writes 16 contiguous bytes of a row); the LSE goes out in natural log.
+#include "common/sm90.cuh"
+
+namespace cuflash {
+
+// The launch arguments, one struct passed by value. The tensor maps (CUtensorMap, 128 bytes,
+// 64-byte aligned) come first; the layout is reproduced by FWD_SM90_PARAMS in
+// cuflash/kernels/fwd_sm90.py.
+struct FwdSm90Params {
+  TmaMap q_map, k_map, v_map;  // dense: rank 4 {dim, heads, seqlen, batch}; varlen: rank 3 {dim, heads, total}
+  void* out;
+  float* lse;
+  const int* cu_seqlens_q;  // varlen only
+  const int* cu_seqlens_k;
+  long long o_stride_b, o_stride_s, o_stride_h;  // in elements; batch stride unused for varlen
+  long long lse_stride_b, lse_stride_h;
+  int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
+  int group;               // query heads per kv head
+  int headdim;             // the caller's head dim (<= kHeadDim)
+  int window_left, window_right;  // -1: unbounded; causal is window_right = 0
+  float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
+  float softcap_scale;     // softmax_scale / softcap
+  float softcap;
+  int nheads;
+  int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / 128)
+  int num_tiles;           // blocks_m * nheads * batch
+  int counter_slot;        // which tile counter this launch uses (see tile_counters)
+  int reserved;
+};
+static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+
+// Register budgets after the split (hdim 256 holds a 64 x 256 fp32 O accumulator: 128 registers).
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
+constexpr int kSchedulerBarrier = 1;  // named barriers 1 and 2: the ping-pong turn of each consumer
+constexpr int kEpilogueBarrier = 3;   // named barriers 3 and 4: one consumer's O staging
+constexpr int kTileBarrier = 5;       // the producer hands the next tile index to the consumers
+constexpr int kTileBarrierThreads = 256 + 32;  // both consumers and the producer's warp
+constexpr int kBlockM = 128;          // two consumer warpgroups of 64 rows
+constexpr int kConsumerWarps = 8;     // arrivals that release a buffer: one per consumer warp
+
+// The dynamic tile scheduler's counters: {tiles handed out beyond the first gridDim.x, CTAs done}.
+// Zero when the module loads; the last CTA of a launch to finish resets its pair to zero, so launches
+// on one stream (or replays of one CUDA graph) can share a pair. The host hands successive launches
+// successive slots, so concurrent launches on different streams would have to be kTileCounters
+// launches apart to collide.
+constexpr int kTileCounters = 4096;
+__device__ int tile_counters[kTileCounters][2];
+
+// One output tile: where its rows and keys are, and the key blocks its rows can see.
+struct Tile {
+  int m0, h, b;
+  int seqlen_q, seqlen_k;
+  int q_row0, k_row0;  // varlen: where the sequence starts in the packed tensors
+  int n_min, n_max;    // key blocks [n_min, n_max); empty when n_max <= n_min
+  int row_last;        // last row of the tile inside the sequence
+};
+
+template <int kBlockN, bool kVarlen>
+__device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
+  Tile t;
+  const int m_block = p.blocks_m - 1 - index % p.blocks_m;  // latest row block first
+  const int hb = index / p.blocks_m;
+  t.h = hb % p.nheads;
+  t.b = hb / p.nheads;
+  t.m0 = m_block * kBlockM;
+  t.seqlen_q = p.seqlen_q;
+  t.seqlen_k = p.seqlen_k;
+  t.q_row0 = t.k_row0 = 0;
+  if constexpr (kVarlen) {
+    t.q_row0 = p.cu_seqlens_q[t.b];
+    t.k_row0 = p.cu_seqlens_k[t.b];
+    t.seqlen_q = p.cu_seqlens_q[t.b + 1] - t.q_row0;
+    t.seqlen_k = p.cu_seqlens_k[t.b + 1] - t.k_row0;
+  }
+  // Query i sees key j iff i + offset - left <= j <= i + offset + right (bottom-right aligned;
+  // -1 = unbounded). A tile beyond its (varlen) sequence gets no rows and no key blocks.
+  const int offset = t.seqlen_k - t.seqlen_q;
+  t.row_last = min(t.m0 + kBlockM, t.seqlen_q) - 1;
+  const int key_lo = p.window_left >= 0 ? max(0, t.m0 + offset - p.window_left) : 0;
+  const int key_hi = p.window_right >= 0 ? min(t.seqlen_k, t.row_last + offset + p.window_right + 1) : t.seqlen_k;
+  t.n_min = key_lo / kBlockN;
+  t.n_max = key_hi > key_lo && t.m0 < t.seqlen_q ? (key_hi + kBlockN - 1) / kBlockN : t.n_min;
+  return t;
+}
+
+// kOInQ: O is staged for its stores in the Q tile (when shared memory has no room for a buffer of
+// its own), so Q is released only after the stores; otherwise right after the last GEMM.
+template <typename T, int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kOInQ, bool kVarlen, bool kSoftcap>
+__global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
+  constexpr int kAtoms = kHeadDim / 64;  // 128-byte swizzle atoms across the head dim
+  constexpr unsigned kQBytes = kBlockM * kHeadDim * 2;
+  constexpr unsigned kKVBytes = kBlockN * kHeadDim * 2;
+  constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
+  constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
+  constexpr int kPSteps = kBlockN / 16;  // k16 steps of P V
+  static_assert(sizeof(T) == 2, "fp16 / bf16");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms; wgmma N <= 256");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
+  static_assert(kStages >= 1, "at least one K/V slot");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Swizzled tiles must start on 1024-byte boundaries: round the base up (the launch asks for 1 KiB more).
+  const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const unsigned sK = sQ + kQBytes;                 // kStages slots
+  const unsigned sV = sK + kStages * kKVBytes;      // kStages slots
+  const unsigned sO = kOInQ ? sQ : sV + kStages * kKVBytes;  // the O tile, staged for 16-byte stores
+  const unsigned bars = sV + kStages * kKVBytes + (kOInQ ? 0 : kQBytes);  // mbarriers, 8 bytes each
+  const unsigned q_full = bars, q_empty = bars + 8;
+  auto k_full = [&](int s) { return bars + 8u * (2 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
+  // hand-off of the tile before, and read right after its own hand-off (named barrier 5 both times).
+  const unsigned tile_slots = bars + 8u * (2 + 4 * kStages);
+
+  const int tid = threadIdx.x;
+  // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
+  // then live in uniform registers instead of being moved there before every wgmma.
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int lane = tid % 32;
+
+  if (tid == 0) {
+    mbarrier_init(q_full, 1);
+    mbarrier_init(q_empty, kConsumerWarps);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(k_full(s), 1);
+      mbarrier_init(v_full(s), 1);
+      mbarrier_init(k_empty(s), kConsumerWarps);
+      mbarrier_init(v_empty(s), kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Every tile, the producer publishes its index (index >= num_tiles tells the consumers to stop)
+  // and arrives on q_full (with Q's bytes, or without when the tile has no key block to load); the
+  // consumers arrive on q_empty once they are done with Q. `it` counts K/V blocks over all of this
+  // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_phase` counts tiles.
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<kProducerRegisters>();
+    if (tid != 0) return;
+    int slot = 0;            // it % kStages, kept incrementally: the producer has 24 registers
+    unsigned parity = 0;     // (it / kStages) & 1
+    unsigned q_phase = 0;
+    // Tile k's index goes to slot k % 2; the sync waits for the consumers to finish tile k - 1.
+    auto hand_off = [&](int index, unsigned k_parity) {
+      st_shared_b32(tile_slots + 4 * k_parity, static_cast<unsigned>(index));
+      named_barrier_sync(kTileBarrier, kTileBarrierThreads);
+    };
+    for (int index = blockIdx.x;;) {
+      if (index >= p.num_tiles) {
+        hand_off(index, q_phase);  // q_phase flips once a tile: its parity is the tile count's
+        break;
+      }
+      mbarrier_wait(q_empty, q_phase ^ 1);
+      const Tile t = tile_at<kBlockN, kVarlen>(p, index);
+      q_phase ^= 1;
+      if (t.n_max <= t.n_min) {
+        mbarrier_arrive(q_full);
+        hand_off(index, q_phase ^ 1);
+        index = atomicAdd(tile_counters[p.counter_slot], 1) + gridDim.x;
+        continue;
+      }
+      const int h_kv = t.h / p.group;
+      auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int head, int row, int rows) {
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a) {
+          if constexpr (kVarlen) {
+            tma_load_3d(dst + a * rows * 128, map, bar, a * 64, head, row);
+          } else {
+            tma_load_4d(dst + a * rows * 128, map, bar, a * 64, head, row, t.b);
+          }
+        }
+      };
+      mbarrier_arrive_expect_tx(q_full, kQBytes);
+      load(sQ, &p.q_map, q_full, t.h, t.q_row0 + t.m0, kBlockM);
+      // K/V blocks from last to first. The first kStages only wait for slots the previous tile
+      // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
+#pragma unroll 1  // unrolled, this loop no longer fits the producer's 24 registers
+      for (int n = t.n_max - 1, issued = 0; n >= t.n_min; --n, ++issued) {
+        if (issued == kStages) hand_off(index, q_phase ^ 1);
+        mbarrier_wait(k_empty(slot), parity ^ 1);
+        mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
+        load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+        mbarrier_wait(v_empty(slot), parity ^ 1);
+        mbarrier_arrive_expect_tx(v_full(slot), kKVBytes);
+        load(sV + slot * kKVBytes, &p.v_map, v_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+        if (++slot == kStages) {
+          slot = 0;
+          parity ^= 1;
+        }
+      }
+      if (t.n_max - t.n_min <= kStages) hand_off(index, q_phase ^ 1);
+      index = atomicAdd(tile_counters[p.counter_slot], 1) + gridDim.x;
+    }
+    // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
+    int* counter = tile_counters[p.counter_slot];
+    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(counter, 0);
+      atomicExch(counter + 1, 0);
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<kConsumerRegisters>();
+  const int wg = warpgroup - 1;                      // which 64 rows of the tile
+  const int row_in_wg = 16 * (tid % 128 / 32) + lane / 4;  // this thread's rows: row_in_wg and row_in_wg + 8
+  // Run-time constants are read from the parameter space where used (an operand of the
+  // instruction itself) rather than copied into registers, which the head-dim-256 tiles lack.
+  const int window_left = p.window_left, window_right = p.window_right;
+  // Descriptors: K-major Q and K (LBO unused, SBO = 8 rows of 128 bytes); V MN-major (LBO = one
+  // atom of kBlockN rows, SBO = 8 tokens). A k16 step moves 32 bytes within an atom, or to the
+  // next atom every 4 steps; a P V step moves 16 tokens.
+  const unsigned long long desc_q = smem_descriptor_sw128(sQ + wg * 64 * 128, 16, 1024);
+  const unsigned long long desc_k = smem_descriptor_sw128(sK, 16, 1024);
+  const unsigned long long desc_v = smem_descriptor_sw128(sV, kBlockN * 128, 1024);
+  auto qk_offset = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
+  // One arrival per warp, once every lane is done with the buffer (the reads of the tile index and
+  // of staged O are per lane; after a wgmma wait the warp is converged anyway).
+  auto arrive = [&](unsigned bar) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+  // Ping-pong: a warpgroup issues between its own turn barrier and the other's; every consumer
+  // has the same number of turns in a tile (blocks + 1), warpgroup 0 goes first, and warpgroup 1
+  // skips its last hand-over so that no arrival is left pending when the tile ends.
+  auto turn_begin = [&]() {
+    if constexpr (kPingPong) named_barrier_sync(kSchedulerBarrier + wg, 256);
+  };
+  auto turn_end = [&](bool last) {
+    if constexpr (kPingPong) {
+      if (!(last && wg == 1)) named_barrier_arrive(kSchedulerBarrier + 1 - wg, 256);
+    }
+  };
+
+  // `it` and the Q phase share one register (bit 0: the Q phase; above: it): at head dim 256 with
+  // varlen and softcap a separate register spills.
+  unsigned progress = 0;
+  auto it = [&]() { return static_cast<int>(progress >> 1); };
+  for (;;) {
+    named_barrier_sync(kTileBarrier, kTileBarrierThreads);
+    const int index = static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1)));
+    if (index >= p.num_tiles) break;
+    mbarrier_wait(q_full, progress & 1);
+    progress ^= 1;
+    const Tile t = tile_at<kBlockN, kVarlen>(p, index);
+    if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
+      arrive(q_empty);
+      continue;
+    }
+    if (t.n_max <= t.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded: only the index was read
+    const int offset = t.seqlen_k - t.seqlen_q;
+    // Blocks n_full_lo <= n <= n_full_hi are visible to every row of the tile: no per-element mask.
+    const int n_full_lo = window_left >= 0 ? (max(0, t.row_last + offset - window_left) + kBlockN - 1) / kBlockN : 0;
+    const int n_full_hi =
+        (window_right >= 0 ? min(t.seqlen_k, t.m0 + offset + window_right + 1) : t.seqlen_k) / kBlockN - 1;
+
+    float o[kOAcc];
+#pragma unroll
+    for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
+    float row_max[2] = {-infinity(), -infinity()};
+    float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
+
+    if (t.n_max > t.n_min) {
+      float s[kSAcc];
+      unsigned pa[kPSteps][4];
+
+      auto issue_qk = [&](int slot) {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          Wgmma<T, kBlockN>::ss(s, desc_q + qk_offset(kk, kBlockM),
+                                desc_k + ((slot * kKVBytes) >> 4) + qk_offset(kk, kBlockN), kk > 0);
+        }
+        wgmma_commit();
+      };
+      auto issue_pv = [&](int slot) {
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+          Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 2048) >> 4), 1);
+        }
+        wgmma_commit();
+      };
+
+      // Softcap, mask and online softmax of block n in s; returns each row's O rescale factor.
+      auto softmax = [&](int n, float (&correction)[2]) {
+        if constexpr (kSoftcap) {
+#pragma unroll
+          for (int i = 0; i < kSAcc; ++i) {
+            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the ends, absolute error ~1e-7 near 0
+            const float e = ex2(s[i] * p.softcap_scale * 2.885390081777927f);  // 2 * log2(e)
+            s[i] = p.softcap * (1.f - __fdividef(2.f, e + 1.f));
+          }
+        }
+        if (n < n_full_lo || n > n_full_hi) {
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = t.m0 + wg * 64 + row_in_wg + 8 * hf;
+            const int col0 = n * kBlockN + 2 * (lane % 4);
+            const int lo = (window_left >= 0 ? i + offset - window_left : 0) - col0;
+            const int hi =
+                (window_right >= 0 ? min(t.seqlen_k - 1, i + offset + window_right) : t.seqlen_k - 1) - col0;
+#pragma unroll
+            for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                if (nt * 8 + e < lo || nt * 8 + e > hi) s[4 * nt + 2 * hf + e] = -infinity();
+              }
+          }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = row_max[hf];
+#pragma unroll
+          for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+          const float base = mx == -infinity() ? 0.f : mx * p.scale_log2;
+          correction[hf] = ex2(row_max[hf] * p.scale_log2 - base);
+          row_max[hf] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pe = ex2(fmaf(s[4 * nt + 2 * hf + e], p.scale_log2, -base));
+              s[4 * nt + 2 * hf + e] = pe;
+              sum += pe;
+            }
+          row_sum[hf] = row_sum[hf] * correction[hf] + sum;
+        }
+      };
+      // P in 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are the A registers of k16 step j.
+      auto pack_p = [&]() {
+#pragma unroll
+        for (int j = 0; j < kPSteps; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) pa[j][r] = pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+      };
+
+      if constexpr (kPingPong) {
+        if (wg == 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 takes the first turn
+      }
+      // First block: S, softmax, P (O is still zero: no rescale).
+      mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
+      turn_begin();
+      wgmma_fence();
+      issue_qk(it() % kStages);
+      turn_end(false);
+      wgmma_wait<0>();
+      pin_registers(s);
+      arrive(k_empty(it() % kStages));
+      {
+        float correction[2];
+        softmax(t.n_max - 1, correction);
+      }
+      pack_p();
+
+      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+        const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
+        progress += 2;
+        const int slot = it() % kStages;
+        mbarrier_wait(k_full(slot), (it() / kStages) & 1);
+        mbarrier_wait(v_full(prev), prev_parity);
+        turn_begin();
+        wgmma_fence();  // O was rescaled and P written by ordinary instructions
+        issue_qk(slot);
+        issue_pv(prev);
+        turn_end(false);
+        wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
+        pin_registers(s);
+        arrive(k_empty(slot));
+        float correction[2];
+        softmax(n, correction);
+        wgmma_wait<0>();
+        pin_registers(o);
+        arrive(v_empty(prev));
+#pragma unroll
+        for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+        pack_p();
+      }
+      const int last = it() % kStages;
+      mbarrier_wait(v_full(last), (it() / kStages) & 1);
+      progress += 2;
+      turn_begin();
+      wgmma_fence();
+      issue_pv(last);
+      turn_end(true);
+      wgmma_wait<0>();
+      pin_registers(o);
+      arrive(v_empty(last));
+      if constexpr (!kOInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
+    }
+
+    // ------------------------------------------------------------------ epilogue
+    // O / rowsum in 16 bits into this warpgroup's 64 rows of the staging tile (Q's swizzled layout:
+    // the 8 rows a warp writes at once land in 8 different 16-byte bank groups), then out in
+    // 16-byte row chunks. The epilogue's addresses are formed here from opaque copies of the
+    // thread and tile indices: otherwise the compiler hoists them out of the tile loop and, at
+    // head dim 256, spills them across the main loop.
+    const int index_again = opaque(index);
+    const Tile te = tile_at<kBlockN, kVarlen>(p, index_again);
+    const int et = opaque(tid);
+    const int e_lane = et % 32, e_wg = et / 128 - 1, e_row = 16 * (et % 128 / 32) + e_lane / 4;
+    T* o_base = static_cast<T*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
+    float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
+    const unsigned stage = sO + e_wg * 64 * 128;
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float total = row_sum[hf];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int r = e_row + 8 * hf;
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        const unsigned addr = stage + (nt / 8) * kBlockM * 128 + r * 128 + (((nt % 8) ^ (r % 8)) * 16) + (e_lane % 4) * 4;
+        st_shared_b32(addr, pack2<T>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv));
+      }
+      const int row = te.m0 + e_wg * 64 + r;
+      if (e_lane % 4 == 0 && row < te.seqlen_q) {
+        lse_base[row] = total > 0.f ? (row_max[hf] * p.scale_log2 + __log2f(total)) * kLn2 : -infinity();
+      }
+    }
+    named_barrier_sync(kEpilogueBarrier + e_wg, 128);
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+#pragma unroll 4
+    for (int idx = et % 128; idx < 64 * kChunks; idx += 128) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int row = te.m0 + e_wg * 64 + r;
+      if (row < te.seqlen_q && c * 8 < p.headdim) {
+        *reinterpret_cast<uint4*>(o_base + row * p.o_stride_s + c * 8) =
+            ld_shared_v4(stage + (c / 8) * kBlockM * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16);
+      }
+    }
+    if constexpr (kOInQ) {
+      // This warp's reads of the staged O are done: TMA may write the next Q over it.
+      fence_proxy_async_shared();
+      arrive(q_empty);
+    } else {
+      named_barrier_sync(kEpilogueBarrier + e_wg, 128);  // reads done before the next tile's writes
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,186 @@
+"""fwd_sm90: the warp-specialised Hopper forward (cuda_src/fwd_sm90.cu): TMA producer, two wgmma
+consumer warpgroups, for compute capability 9.0 (compiled for sm_90a)."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .. import tma
+from . import CXX_TYPES, Family, Variant, rows_aligned
+from .fwd_sm80 import ELEMENT_BYTES, HEADDIM_ALIGN, output_strides, softmax_constants
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+THREADS = 384  # producer warpgroup + two consumers
+ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
+HEADDIMS = (64, 128, 192, 256)
+
+# Per compiled head dim: (block_n, stages, pingpong). block_n is bounded by the consumers' 240
+# registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread) and, with the stages, by
+# 227 KiB of shared memory (Q: 128 rows, K and V: block_n rows per stage). pingpong: the two
+# consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
+TILES = {64: (128, 3, True), 128: (128, 2, True), 192: (112, 2, True), 256: (64, 2, True)}
+# Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
+# (dispatch remembers each choice); None in normal use.
+tiles_override: dict[int, tuple[int, int, bool]] | None = None
+# The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
+# taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
+# --sm90-grid tiles, to compare the two).
+persistent = True
+SMEM_LIMIT = 232448  # opt-in shared memory per block on sm_90
+
+
+TILE_COUNTERS = 4096  # kTileCounters in the kernel
+
+
+def smem_bytes(headdim: int, block_n: int, stages: int, o_in_q: bool) -> int:
+    barriers = 8 * (2 + 4 * stages) + 8  # and two tile-index slots
+    o_rows = 0 if o_in_q else BLOCK_M  # the O staging tile, unless it shares Q's
+    # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
+    return (BLOCK_M + o_rows + 2 * stages * block_n) * headdim * ELEMENT_BYTES + barriers + 1024
+
+
+# The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field.
+FWD_SM90_PARAMS = np.dtype(
+    [(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
+    + [(name, np.uint64) for name in ("out", "lse", "cu_seqlens_q", "cu_seqlens_k")]
+    + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
+    + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
+    + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left", "window_right")]
+    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "softcap")]
+    + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot", "reserved")])
+assert FWD_SM90_PARAMS.itemsize == 512, "keep in step with static_assert(sizeof(FwdSm90Params) == 512)"
+PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
+
+
+@dataclass(frozen=True)
+class FwdSm90Variant(Variant):
+    family = "fwd_sm90"
+    source = "fwd_sm90.cu"
+    template = "cuflash::fwd_sm90"
+
+    dtype: str
+    headdim: int  # compiled (padded) head dim
+    block_n: int
+    stages: int
+    pingpong: bool  # consumers take turns issuing their GEMMs
+    varlen: bool
+    softcap: bool
+
+    def check(self) -> None:
+        if self.dtype not in CXX_TYPES:
+            raise ValueError(f"fwd_sm90: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.headdim not in HEADDIMS:
+            raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256 or self.stages < 1:
+            raise ValueError(f"fwd_sm90: block_n={self.block_n} must be a multiple of 16 in [16, 256] and "
+                             f"stages={self.stages} at least 1")
+        if self.dynamic_shared_bytes > SMEM_LIMIT:
+            raise ValueError(f"fwd_sm90: headdim {self.headdim}, block_n {self.block_n}, {self.stages} stages need "
+                             f"{self.dynamic_shared_bytes} bytes of shared memory; sm_90 has {SMEM_LIMIT}")
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    @property
+    def o_in_q(self) -> bool:
+        """O is staged in Q's tile when shared memory has no room for a tile of its own."""
+        return smem_bytes(self.headdim, self.block_n, self.stages, o_in_q=False) > SMEM_LIMIT
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        return smem_bytes(self.headdim, self.block_n, self.stages, self.o_in_q)
+
+    def template_args(self) -> tuple[str, ...]:
+        flag = lambda b: "true" if b else "false"
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_n), str(self.stages), flag(self.pingpong),
+                flag(self.o_in_q), flag(self.varlen), flag(self.softcap))
+
+
+def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
+    return tuple(FwdSm90Variant(dtype, hd, *TILES[hd], varlen, softcap) for dtype in sorted(CXX_TYPES)
+                 for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True))
+
+
+def _token_strides(problem, array) -> tuple[int, ...]:
+    """The strides TMA walks, in elements: heads, tokens (and batch when dense)."""
+    s = array.strides
+    return (s[1], s[0]) if problem.varlen else (s[2], s[1], s[0])
+
+
+def select(problem, inputs) -> FwdSm90Variant:
+    if problem.headdim % HEADDIM_ALIGN or problem.headdim > HEADDIMS[-1]:
+        raise ValueError(f"fwd_sm90 takes head dims that are multiples of {HEADDIM_ALIGN} up to {HEADDIMS[-1]}; "
+                         f"got {problem.headdim}")
+    if problem.seqlen_q == 0 or problem.seqlen_k == 0 or (problem.varlen and not (problem.total_q and problem.total_k)):
+        raise ValueError("fwd_sm90 loads through TMA descriptors, which cannot describe an empty q, k or v")
+    for name in ("q", "k", "v"):
+        array = inputs[name]
+        if not rows_aligned(array, ELEMENT_BYTES) or not tma.strides_encodable(
+                [s * ELEMENT_BYTES for s in _token_strides(problem, array)]):
+            raise ValueError(f"fwd_sm90 loads {name} with TMA, which needs a 16-byte-aligned start and positive "
+                             f"strides that are multiples of 8 elements; got strides {array.strides}")
+    if math.ceil(problem.seqlen_q / BLOCK_M) * problem.nheads * problem.batch >= 2**31:
+        raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / 128 is too large")
+    headdim = ATOM * math.ceil(problem.headdim / ATOM)
+    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else TILES[headdim]
+    return FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+
+
+def _tensor_map(problem, array, nheads: int, rows: int) -> bytes:
+    strides = tuple(s * ELEMENT_BYTES for s in _token_strides(problem, array))
+    if problem.varlen:
+        dims = (problem.headdim, nheads, array.shape[0])
+        box = (ATOM, 1, rows)
+    else:
+        dims = (problem.headdim, nheads, array.shape[1], problem.batch)
+        box = (ATOM, 1, rows, 1)
+    return tma.encode_tiled(problem.dtype, array.ptr, dims, strides, box)
+
+
+# Successive launches take successive tile-counter slots (see tile_counters in the kernel).
+_counter_slots = itertools.cycle(range(TILE_COUNTERS))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_index)["multiProcessorCount"])
+
+
+def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
+    blocks_m = math.ceil(problem.seqlen_q / BLOCK_M)
+    num_tiles = blocks_m * problem.nheads * problem.batch
+    if num_tiles == 0:
+        return
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    out, lse = outputs["out"], outputs["lse"]
+    o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
+    params = np.empty(1, FWD_SM90_PARAMS)
+    params[0] = (_tensor_map(problem, q, problem.nheads, BLOCK_M),
+                 _tensor_map(problem, k, problem.nheads_kv, variant.block_n),
+                 _tensor_map(problem, v, problem.nheads_kv, variant.block_n),
+                 out.ptr, lse.ptr, cu_q, cu_k, *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
+                 problem.nheads // problem.nheads_kv, problem.headdim, problem.window_left, problem.window_right,
+                 *softmax_constants(problem), problem.nheads, blocks_m, num_tiles, next(_counter_slots), 0)
+    grid = min(num_tiles, _sm_count(problem.device.index)) if persistent else num_tiles
+    with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
+        function((grid,), (THREADS,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+
+
+FAMILY = Family(
+    name="fwd_sm90",
+    backend="sm90",
+    ops=("attention_forward", "attention_varlen_forward"),
+    description="warp-specialised Hopper forward: TMA producer, wgmma consumers (sm_90a)",
+    min_compute_capability=(9, 0),
+    max_compute_capability=(9, 0),
+    variants_for=variants_for,
+    select=select,
+    launch=launch,
+)
