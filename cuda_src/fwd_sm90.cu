@@ -277,7 +277,9 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
   auto it = [&]() { return static_cast<int>(progress >> 1); };
   for (;;) {
     named_barrier_sync(kTileBarrier, kTileBarrierThreads);
-    const int index = static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1)));
+    // Broadcast from lane 0 so the compiler knows the index, and all it derives, is warp-uniform:
+    // those values can then live in uniform registers, not in the ones the accumulators need.
+    const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);
     if (index >= p.num_tiles) break;
     mbarrier_wait(q_full, progress & 1);
     progress ^= 1;

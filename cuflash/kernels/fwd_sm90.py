@@ -18,11 +18,19 @@ THREADS = 384  # producer warpgroup + two consumers
 ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
 HEADDIMS = (64, 128, 192, 256)
 
-# Per compiled head dim: (block_n, stages, pingpong). block_n is bounded by the consumers' 240
-# registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread) and, with the stages, by
-# 227 KiB of shared memory (Q: 128 rows, K and V: block_n rows per stage). pingpong: the two
-# consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
-TILES = {64: (128, 3, True), 128: (128, 2, True), 192: (112, 2, True), 256: (64, 2, True)}
+# Per compiled head dim, rows of (longest seqlen_k served, (block_n, stages, pingpong)); the first
+# row whose bound covers the problem's seqlen_k is used (None: any). block_n is bounded by the
+# consumers' 240 registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the offline
+# report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q: 128
+# rows, K and V: block_n rows per stage). Long sequences take the widest block_n that fits; up to
+# 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile). pingpong: the
+# two consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
+TILES = {
+    64: ((2048, (128, 3, True)), (None, (192, 2, True))),
+    128: ((2048, (128, 2, True)), (None, (176, 2, True))),
+    192: ((None, (112, 2, True)),),
+    256: ((None, (80, 2, False)),),
+}
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, bool]] | None = None
@@ -101,9 +109,13 @@ class FwdSm90Variant(Variant):
                 flag(self.o_in_q), flag(self.varlen), flag(self.softcap))
 
 
+def _tiles(headdim: int, seqlen_k: int) -> tuple[int, int, bool]:
+    return next(tiles for bound, tiles in TILES[headdim] if bound is None or seqlen_k <= bound)
+
+
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, hd, *TILES[hd], varlen, softcap) for dtype in sorted(CXX_TYPES)
-                 for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True))
+    return tuple(FwdSm90Variant(dtype, hd, *tiles, varlen, softcap) for dtype in sorted(CXX_TYPES)
+                 for hd in HEADDIMS for _, tiles in TILES[hd] for varlen in (False, True) for softcap in (False, True))
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -127,7 +139,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     if math.ceil(problem.seqlen_q / BLOCK_M) * problem.nheads * problem.batch >= 2**31:
         raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / 128 is too large")
     headdim = ATOM * math.ceil(problem.headdim / ATOM)
-    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else TILES[headdim]
+    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else _tiles(headdim, problem.seqlen_k)
     return FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
 
