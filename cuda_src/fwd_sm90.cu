@@ -175,27 +175,36 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<kProducerRegisters>();
-    if (tid != 0) return;
+    // Warp 0 stays: lane 0 issues every load and barrier operation, and the whole warp takes part
+    // in the tile hand-off. The other producer warps leave.
+    if (tid >= 32) return;
+    const bool leader = lane == 0;
     int slot = 0;            // it % kStages, kept incrementally: the producer has 24 registers
     unsigned parity = 0;     // (it / kStages) & 1
     unsigned q_phase = 0;
     // Tile k's index goes to slot k % 2; the sync waits for the consumers to finish tile k - 1.
     auto hand_off = [&](int index, unsigned k_parity) {
-      st_shared_b32(tile_slots + 4 * k_parity, static_cast<unsigned>(index));
-      named_barrier_sync(kTileBarrier, kTileBarrierThreads);
+      if (leader) st_shared_b32(tile_slots + 4 * k_parity, static_cast<unsigned>(index));
+      __syncwarp();
+      named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
+    };
+    auto next_tile = [&]() {
+      int next = 0;
+      if (leader) next = atomicAdd(tile_counters[p.counter_slot], 1) + gridDim.x;
+      return __shfl_sync(0xffffffffu, next, 0);
     };
     for (int index = blockIdx.x;;) {
       if (index >= p.num_tiles) {
         hand_off(index, q_phase);  // q_phase flips once a tile: its parity is the tile count's
         break;
       }
-      mbarrier_wait(q_empty, q_phase ^ 1);
       const Tile t = tile_at<kBlockN, kVarlen>(p, index);
+      if (leader) mbarrier_wait(q_empty, q_phase ^ 1);
       q_phase ^= 1;
       if (t.n_max <= t.n_min) {
-        mbarrier_arrive(q_full);
+        if (leader) mbarrier_arrive(q_full);
         hand_off(index, q_phase ^ 1);
-        index = atomicAdd(tile_counters[p.counter_slot], 1) + gridDim.x;
+        index = next_tile();
         continue;
       }
       const int h_kv = t.h / p.group;
@@ -209,32 +218,47 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
           }
         }
       };
-      mbarrier_arrive_expect_tx(q_full, kQBytes);
-      load(sQ, &p.q_map, q_full, t.h, t.q_row0 + t.m0, kBlockM);
-      // K/V blocks from last to first. The first kStages only wait for slots the previous tile
-      // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
-#pragma unroll 1  // unrolled, this loop no longer fits the producer's 24 registers
-      for (int n = t.n_max - 1, issued = 0; n >= t.n_min; --n, ++issued) {
-        if (issued == kStages) hand_off(index, q_phase ^ 1);
+      auto load_kv = [&](int n) {
         mbarrier_wait(k_empty(slot), parity ^ 1);
         mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
         load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
         mbarrier_wait(v_empty(slot), parity ^ 1);
         mbarrier_arrive_expect_tx(v_full(slot), kKVBytes);
         load(sV + slot * kKVBytes, &p.v_map, v_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+      };
+      if (leader) {
+        mbarrier_arrive_expect_tx(q_full, kQBytes);
+        load(sQ, &p.q_map, q_full, t.h, t.q_row0 + t.m0, kBlockM);
+      }
+      // K/V blocks from last to first. The first kStages only wait for slots the previous tile
+      // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
+      int n = t.n_max - 1;
+#pragma unroll 1  // unrolled, these loops no longer fit the producer's 24 registers
+      for (int issued = 0; n >= t.n_min && issued < kStages; --n, ++issued) {
+        if (leader) load_kv(n);
         if (++slot == kStages) {
           slot = 0;
           parity ^= 1;
         }
       }
-      if (t.n_max - t.n_min <= kStages) hand_off(index, q_phase ^ 1);
-      index = atomicAdd(tile_counters[p.counter_slot], 1) + gridDim.x;
+      hand_off(index, q_phase ^ 1);
+#pragma unroll 1
+      for (; n >= t.n_min; --n) {
+        if (leader) load_kv(n);
+        if (++slot == kStages) {
+          slot = 0;
+          parity ^= 1;
+        }
+      }
+      index = next_tile();
     }
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
-    int* counter = tile_counters[p.counter_slot];
-    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      atomicExch(counter, 0);
-      atomicExch(counter + 1, 0);
+    if (leader) {
+      int* counter = tile_counters[p.counter_slot];
+      if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(counter, 0);
+        atomicExch(counter + 1, 0);
+      }
     }
     return;
   }
@@ -276,7 +300,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
   unsigned progress = 0;
   auto it = [&]() { return static_cast<int>(progress >> 1); };
   for (;;) {
-    named_barrier_sync(kTileBarrier, kTileBarrierThreads);
+    named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
     // Broadcast from lane 0 so the compiler knows the index, and all it derives, is warp-uniform:
     // those values can then live in uniform registers, not in the ones the accumulators need.
     const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);

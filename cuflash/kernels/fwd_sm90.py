@@ -23,8 +23,9 @@ HEADDIMS = (64, 128, 192, 256)
 # consumers' 240 registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the offline
 # report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q: 128
 # rows, K and V: block_n rows per stage). Long sequences take the widest block_n that fits; up to
-# 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile). pingpong: the
-# two consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
+# 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile). Softcap keeps
+# more registers live per score, so it always takes the first (narrowest) row. pingpong: the two
+# consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
 TILES = {
     64: ((2048, (128, 3, True)), (None, (192, 2, True))),
     128: ((2048, (128, 2, True)), (None, (176, 2, True))),
@@ -109,13 +110,18 @@ class FwdSm90Variant(Variant):
                 flag(self.o_in_q), flag(self.varlen), flag(self.softcap))
 
 
-def _tiles(headdim: int, seqlen_k: int) -> tuple[int, int, bool]:
-    return next(tiles for bound, tiles in TILES[headdim] if bound is None or seqlen_k <= bound)
+def _rows(headdim: int, softcap: bool):
+    return TILES[headdim][:1] if softcap else TILES[headdim]
+
+
+def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, bool]:
+    return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
     return tuple(FwdSm90Variant(dtype, hd, *tiles, varlen, softcap) for dtype in sorted(CXX_TYPES)
-                 for hd in HEADDIMS for _, tiles in TILES[hd] for varlen in (False, True) for softcap in (False, True))
+                 for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
+                 for _, tiles in _rows(hd, softcap))
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -139,7 +145,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     if math.ceil(problem.seqlen_q / BLOCK_M) * problem.nheads * problem.batch >= 2**31:
         raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / 128 is too large")
     headdim = ATOM * math.ceil(problem.headdim / ATOM)
-    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else _tiles(headdim, problem.seqlen_k)
+    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else _tiles(headdim, problem.seqlen_k, problem.softcap > 0)
     return FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
 
