@@ -1,19 +1,20 @@
 // FlashAttention forward for Hopper (sm_90a): warp-specialised TMA producer, wgmma consumers,
 // persistent over output tiles.
 //
-// The grid is one CTA per SM. Output tiles are kBlockM = 128 query rows of one (batch, head),
+// The grid is one CTA per SM. Output tiles are kBlockM = 64 * kConsumers query rows of one (batch, head),
 // numbered m-block fastest (a head's row blocks run side by side and share K and V in L2), latest
 // row block first (for causal, the longest tiles go first). CTA c starts with tile c and then takes
 // the next untaken tile from a global counter, so tiles of unequal length (causal) balance out as
 // they would under the hardware's own block scheduler. The producer draws the indices and hands
 // each to the consumers at a named barrier all of them sync on, once it has issued the tile's Q and
-// first kStages K/V loads: those overlap the end of the previous tile. Three warpgroups:
+// first kStages K/V loads: those overlap the end of the previous tile. 1 + kConsumers warpgroups:
 //   warpgroup 0   producer: gives registers away (setmaxnreg), and one thread issues TMA loads
 //                 of each tile's Q and of K and V tiles into a kStages-deep ring, each completing
 //                 on a "full" mbarrier; it refills a slot (or Q) when the consumers arrive on its
 //                 "empty" one. The ring runs on across tiles, so the next tile's K and V load while
 //                 the consumers finish the current one.
-//   warpgroups 1, 2  consumers: each owns 64 of the rows and takes registers (setmaxnreg).
+//   warpgroups 1..kConsumers  consumers (2, or 3 where the head dim is small): each owns 64 of
+//                 the rows and takes registers (setmaxnreg).
 //                 S = Q K^T is a wgmma with both operands in shared memory (K-major, 128-byte
 //                 swizzle); the online softmax runs on the S accumulators in the log2 domain; P is
 //                 packed to 16 bits in registers and O += P V is a wgmma with A from registers and
@@ -21,8 +22,8 @@
 // Within a consumer, block j's softmax overlaps block j-1's P V: S(j) and PV(j-1) are issued
 // back to back and the warpgroup waits only for S(j) before the softmax, then for PV(j-1) before
 // rescaling O and packing the new P (the P registers are read by PV(j-1) until then).
-// With kPingPong the two consumers take turns to issue their GEMMs (two named barriers), so one
-// warpgroup's softmax runs while the tensor cores work through the other's GEMMs.
+// With kPingPong the consumers take turns, round robin, to issue their GEMMs (one named barrier
+// each), so one warpgroup's softmax runs while the tensor cores work through another's GEMMs.
 // Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
 // first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim/64 atoms][rows][64
 // elements], 128 bytes a row, TMA's 128-byte swizzle, exactly what the wgmma descriptors read.
@@ -62,15 +63,23 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
-// Register budgets after the split (hdim 256 holds a 64 x 256 fp32 O accumulator: 128 registers).
-constexpr int kProducerRegisters = 24;
-constexpr int kConsumerRegisters = 240;
-constexpr int kSchedulerBarrier = 1;  // named barriers 1 and 2: the ping-pong turn of each consumer
-constexpr int kEpilogueBarrier = 3;   // named barriers 3 and 4: one consumer's O staging
-constexpr int kTileBarrier = 5;       // the producer hands the next tile index to the consumers
-constexpr int kTileBarrierThreads = 256 + 32;  // both consumers and the producer's warp
-constexpr int kBlockM = 128;          // two consumer warpgroups of 64 rows
-constexpr int kConsumerWarps = 8;     // arrivals that release a buffer: one per consumer warp
+// Register budgets after the split, per consumer count: setmaxnreg moves registers between the
+// warpgroups of a CTA, so producer + consumers must fit the 64K of an SM (hdim 256 holds a 64 x 256
+// fp32 O accumulator: 128 registers).
+template <int kConsumers>
+struct RegisterSplit;
+template <>
+struct RegisterSplit<2> {
+  static constexpr int kProducer = 24, kConsumer = 240;
+};
+template <>
+struct RegisterSplit<3> {
+  static constexpr int kProducer = 32, kConsumer = 160;
+};
+
+constexpr int kSchedulerBarrier = 1;  // named barriers 1..3: the ping-pong turn of each consumer
+constexpr int kEpilogueBarrier = 4;   // named barriers 4..6: one consumer's O staging
+constexpr int kTileBarrier = 7;       // the producer hands the next tile index to the consumers
 
 // The dynamic tile scheduler's counters: {tiles handed out beyond the first gridDim.x, CTAs done}.
 // Zero when the module loads; the last CTA of a launch to finish resets its pair to zero, so launches
@@ -89,7 +98,7 @@ struct Tile {
   int row_last;        // last row of the tile inside the sequence
 };
 
-template <int kBlockN, bool kVarlen>
+template <int kBlockM, int kBlockN, bool kVarlen>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
   const int m_block = p.blocks_m - 1 - index % p.blocks_m;  // latest row block first
@@ -119,8 +128,14 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 
 // kOInQ: O is staged for its stores in the Q tile (when shared memory has no room for a buffer of
 // its own), so Q is released only after the stores; otherwise right after the last GEMM.
-template <typename T, int kHeadDim, int kBlockN, int kStages, bool kPingPong, bool kOInQ, bool kVarlen, bool kSoftcap>
-__global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
+template <typename T, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong, bool kOInQ, bool kVarlen,
+          bool kSoftcap>
+__global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
+  constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
+  constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
+  constexpr int kTileBarrierThreads = 128 * kConsumers + 32;  // the consumers and the producer's warp
+  using Split = RegisterSplit<kConsumers>;
+  static_assert(128 * (Split::kProducer + kConsumers * Split::kConsumer) <= 65536, "registers of one SM");
   constexpr int kAtoms = kHeadDim / 64;  // 128-byte swizzle atoms across the head dim
   constexpr unsigned kQBytes = kBlockM * kHeadDim * 2;
   constexpr unsigned kKVBytes = kBlockN * kHeadDim * 2;
@@ -174,7 +189,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
   // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_phase` counts tiles.
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    setmaxnreg_dec<kProducerRegisters>();
+    setmaxnreg_dec<Split::kProducer>();
     // Warp 0 stays: lane 0 issues every load and barrier operation, and the whole warp takes part
     // in the tile hand-off. The other producer warps leave.
     if (tid >= 32) return;
@@ -198,7 +213,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
         hand_off(index, q_phase);  // q_phase flips once a tile: its parity is the tile count's
         break;
       }
-      const Tile t = tile_at<kBlockN, kVarlen>(p, index);
+      const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
       if (leader) mbarrier_wait(q_empty, q_phase ^ 1);
       q_phase ^= 1;
       if (t.n_max <= t.n_min) {
@@ -264,7 +279,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
   }
 
   // -------------------------------------------------------------------- consumers
-  setmaxnreg_inc<kConsumerRegisters>();
+  setmaxnreg_inc<Split::kConsumer>();
   const int wg = warpgroup - 1;                      // which 64 rows of the tile
   const int row_in_wg = 16 * (tid % 128 / 32) + lane / 4;  // this thread's rows: row_in_wg and row_in_wg + 8
   // Run-time constants are read from the parameter space where used (an operand of the
@@ -283,15 +298,16 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bar);
   };
-  // Ping-pong: a warpgroup issues between its own turn barrier and the other's; every consumer
-  // has the same number of turns in a tile (blocks + 1), warpgroup 0 goes first, and warpgroup 1
-  // skips its last hand-over so that no arrival is left pending when the tile ends.
+  // Ping-pong: warpgroup wg issues its GEMMs after syncing on its own turn barrier (with the
+  // arrival of warpgroup wg - 1) and then hands the turn to wg + 1. Every consumer has the same
+  // number of turns in a tile (blocks + 1); warpgroup 0 goes first, and the last warpgroup skips
+  // its last hand-over so that no arrival is left pending when the tile ends.
   auto turn_begin = [&]() {
     if constexpr (kPingPong) named_barrier_sync(kSchedulerBarrier + wg, 256);
   };
   auto turn_end = [&](bool last) {
     if constexpr (kPingPong) {
-      if (!(last && wg == 1)) named_barrier_arrive(kSchedulerBarrier + 1 - wg, 256);
+      if (!(last && wg == kConsumers - 1)) named_barrier_arrive(kSchedulerBarrier + (wg + 1) % kConsumers, 256);
     }
   };
 
@@ -307,7 +323,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
     if (index >= p.num_tiles) break;
     mbarrier_wait(q_full, progress & 1);
     progress ^= 1;
-    const Tile t = tile_at<kBlockN, kVarlen>(p, index);
+    const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
     if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
       arrive(q_empty);
       continue;
@@ -403,7 +419,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
       };
 
       if constexpr (kPingPong) {
-        if (wg == 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 takes the first turn
+        if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
       }
       // First block: S, softmax, P (O is still zero: no rescale).
       mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
@@ -463,7 +479,7 @@ __global__ void __launch_bounds__(384, 1) fwd_sm90(const __grid_constant__ FwdSm
     // thread and tile indices: otherwise the compiler hoists them out of the tile loop and, at
     // head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
-    const Tile te = tile_at<kBlockN, kVarlen>(p, index_again);
+    const Tile te = tile_at<kBlockM, kBlockN, kVarlen>(p, index_again);
     const int et = opaque(tid);
     const int e_lane = et % 32, e_wg = et / 128 - 1, e_row = 16 * (et % 128 / 32) + e_lane / 4;
     T* o_base = static_cast<T*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;

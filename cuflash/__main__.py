@@ -63,15 +63,16 @@ def cmd_info(args) -> int:
         print(f"offline compiler: NVRTC {'.'.join(map(str, toolchain.nvrtc_version()))} ({toolchain.nvrtc_library()})")
     except Exception as e:
         print(f"offline compiler: unavailable ({e})")
-    print("kernel families:")
+    print("kernel families (in order of preference; backend= forces one; a family that declines a call "
+          "says why in the 'cuflash' logger at DEBUG level):")
     cc_here = gpus[0]["compute_capability"] if gpus else None
     for family in kernels.FAMILIES.values():
-        need = ".".join(map(str, family.min_compute_capability))
         if cc_here is None:
             here = "no GPU here"
         else:
-            here = "runs here" if family.runs_on(cc_here) else f"needs compute capability >= {need}"
-        print(f"  {family.name:<18} {', '.join(family.ops):<50} compute capability >= {need}: {here}")
+            here = "runs here" if family.runs_on(cc_here) else "not on this GPU"
+        print(f"  {family.name:<18} backend={family.backend!r:<7} {', '.join(family.ops):<50} "
+              f"{family.requirement}: {here}")
         print(f"  {'':<18} {family.description}")
     return 0
 

@@ -3,10 +3,15 @@ serves the Problem's op on this GPU. JAX arrays go through `cuflash.jax`, which 
 `execute` from inside XLA's program (jax.experimental.buffer_callback), on XLA's stream."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import arrays, kernels, reference
 from .problem import Problem
+
+# Why a family declined a call (and which one ran) goes to DEBUG: the fallback from fwd_sm90 to
+# fwd_sm80 is silent otherwise. Logged once per remembered plan, not per call.
+log = logging.getLogger("cuflash")
 
 # The NumPy reference computes in float64 and takes these input dtypes.
 REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -86,9 +91,13 @@ def _choose(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
             reasons.append(f"{family.name} takes {sorted(family.dtypes)}")
             continue
         try:
-            return family, family.select(problem, device_inputs)
+            variant = family.select(problem, device_inputs)
         except ValueError as e:
             reasons.append(str(e))
+            continue
+        if reasons:
+            log.debug("%s runs %s on %s; declined: %s", family.name, problem.op, problem.device, "; ".join(reasons))
+        return family, variant
     why = "; ".join(reasons) if reasons else "no GPU kernel family implements this operation yet"
     if problem.backend:
         why = f"backend={problem.backend!r}: {why}"

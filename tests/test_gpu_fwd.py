@@ -136,9 +136,10 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
 
 
-def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason():
+def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason(caplog):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Hopper only")
+    caplog.set_level("DEBUG", logger="cuflash")
     q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     problem = _problem("attention_forward", q, q, None, causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None)
     inputs = {n: arrays.device_array(q) for n in "qkv"}
@@ -147,6 +148,7 @@ def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason():
     problem_bc = dataclasses.replace(problem, nheads_kv=2)
     family, _ = dispatch.plan(problem_bc, dict(inputs, k=arrays.device_array(broadcast)))
     assert family.name == "fwd_sm80"
+    assert "fwd_sm80 runs attention_forward" in caplog.text and "fwd_sm90 loads k with TMA" in caplog.text
     with pytest.raises(NotImplementedError, match="backend='sm90'.*TMA"):
         cuflash.attention(q, broadcast, broadcast, backend="sm90")
     out = cuflash.attention(q, broadcast, broadcast)  # the fallback serves it

@@ -13,28 +13,29 @@ from .. import tma
 from . import CXX_TYPES, Family, Variant, rows_aligned
 from .fwd_sm80 import ELEMENT_BYTES, HEADDIM_ALIGN, output_strides, softmax_constants
 
-BLOCK_M = 128  # two consumer warpgroups of 64 rows
-THREADS = 384  # producer warpgroup + two consumers
+ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
 HEADDIMS = (64, 128, 192, 256)
 
-# Per compiled head dim, rows of (longest seqlen_k served, (block_n, stages, pingpong)); the first
-# row whose bound covers the problem's seqlen_k is used (None: any). block_n is bounded by the
-# consumers' 240 registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the offline
-# report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q: 128
-# rows, K and V: block_n rows per stage). Long sequences take the widest block_n that fits; up to
+# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong));
+# the first
+# row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups of 64
+# query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
+# bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
+# offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory
+# (Q and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that fits; up to
 # 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile). Softcap keeps
 # more registers live per score, so it always takes the first (narrowest) row. pingpong: the two
 # consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
 TILES = {
-    64: ((2048, (128, 3, True)), (None, (192, 2, True))),
-    128: ((2048, (128, 2, True)), (None, (176, 2, True))),
-    192: ((None, (112, 2, True)),),
-    256: ((None, (80, 2, False)),),
+    64: ((None, (3, 128, 2, False)),),
+    128: ((2048, (2, 128, 2, True)), (None, (2, 176, 2, True))),
+    192: ((None, (2, 112, 2, True)),),
+    256: ((None, (2, 80, 2, False)),),
 }
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
-tiles_override: dict[int, tuple[int, int, bool]] | None = None
+tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
 # The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
 # taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
 # --sm90-grid tiles, to compare the two).
@@ -45,11 +46,11 @@ SMEM_LIMIT = 232448  # opt-in shared memory per block on sm_90
 TILE_COUNTERS = 4096  # kTileCounters in the kernel
 
 
-def smem_bytes(headdim: int, block_n: int, stages: int, o_in_q: bool) -> int:
+def smem_bytes(headdim: int, block_m: int, block_n: int, stages: int, o_in_q: bool) -> int:
     barriers = 8 * (2 + 4 * stages) + 8  # and two tile-index slots
-    o_rows = 0 if o_in_q else BLOCK_M  # the O staging tile, unless it shares Q's
+    o_rows = 0 if o_in_q else block_m  # the O staging tile, unless it shares Q's
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
-    return (BLOCK_M + o_rows + 2 * stages * block_n) * headdim * ELEMENT_BYTES + barriers + 1024
+    return (block_m + o_rows + 2 * stages * block_n) * headdim * ELEMENT_BYTES + barriers + 1024
 
 
 # The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field.
@@ -73,6 +74,7 @@ class FwdSm90Variant(Variant):
 
     dtype: str
     headdim: int  # compiled (padded) head dim
+    consumers: int  # consumer warpgroups, 64 query rows each
     block_n: int
     stages: int
     pingpong: bool  # consumers take turns issuing their GEMMs
@@ -84,6 +86,8 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
         if self.block_n % 16 or not 16 <= self.block_n <= 256 or self.stages < 1:
             raise ValueError(f"fwd_sm90: block_n={self.block_n} must be a multiple of 16 in [16, 256] and "
                              f"stages={self.stages} at least 1")
@@ -92,21 +96,25 @@ class FwdSm90Variant(Variant):
                              f"{self.dynamic_shared_bytes} bytes of shared memory; sm_90 has {SMEM_LIMIT}")
 
     @property
+    def block_m(self) -> int:
+        return ROWS_PER_CONSUMER * self.consumers
+
+    @property
     def threads(self) -> int:
-        return THREADS
+        return 128 * (self.consumers + 1)  # and the producer warpgroup
 
     @property
     def o_in_q(self) -> bool:
         """O is staged in Q's tile when shared memory has no room for a tile of its own."""
-        return smem_bytes(self.headdim, self.block_n, self.stages, o_in_q=False) > SMEM_LIMIT
+        return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, o_in_q=False) > SMEM_LIMIT
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        return smem_bytes(self.headdim, self.block_n, self.stages, self.o_in_q)
+        return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, self.o_in_q)
 
     def template_args(self) -> tuple[str, ...]:
         flag = lambda b: "true" if b else "false"
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_n), str(self.stages), flag(self.pingpong),
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.consumers), str(self.block_n), str(self.stages), flag(self.pingpong),
                 flag(self.o_in_q), flag(self.varlen), flag(self.softcap))
 
 
@@ -114,7 +122,7 @@ def _rows(headdim: int, softcap: bool):
     return TILES[headdim][:1] if softcap else TILES[headdim]
 
 
-def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, bool]:
+def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool]:
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
@@ -142,11 +150,13 @@ def select(problem, inputs) -> FwdSm90Variant:
                 [s * ELEMENT_BYTES for s in _token_strides(problem, array)]):
             raise ValueError(f"fwd_sm90 loads {name} with TMA, which needs a 16-byte-aligned start and positive "
                              f"strides that are multiples of 8 elements; got strides {array.strides}")
-    if math.ceil(problem.seqlen_q / BLOCK_M) * problem.nheads * problem.batch >= 2**31:
-        raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / 128 is too large")
     headdim = ATOM * math.ceil(problem.headdim / ATOM)
-    tiles = tiles_override[headdim] if tiles_override and headdim in tiles_override else _tiles(headdim, problem.seqlen_k, problem.softcap > 0)
-    return FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+    tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
+             else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
+    variant = FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31:
+        raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too large")
+    return variant
 
 
 def _tensor_map(problem, array, nheads: int, rows: int) -> bytes:
@@ -172,7 +182,7 @@ def _sm_count(device_index: int) -> int:
 
 
 def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
-    blocks_m = math.ceil(problem.seqlen_q / BLOCK_M)
+    blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
     if num_tiles == 0:
         return
@@ -180,7 +190,7 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
     out, lse = outputs["out"], outputs["lse"]
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
     params = np.empty(1, FWD_SM90_PARAMS)
-    params[0] = (_tensor_map(problem, q, problem.nheads, BLOCK_M),
+    params[0] = (_tensor_map(problem, q, problem.nheads, variant.block_m),
                  _tensor_map(problem, k, problem.nheads_kv, variant.block_n),
                  _tensor_map(problem, v, problem.nheads_kv, variant.block_n),
                  out.ptr, lse.ptr, cu_q, cu_k, *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
@@ -188,7 +198,7 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
                  *softmax_constants(problem), problem.nheads, blocks_m, num_tiles, next(_counter_slots), 0)
     grid = min(num_tiles, _sm_count(problem.device.index)) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
-        function((grid,), (THREADS,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+        function((grid,), (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
 
 
 FAMILY = Family(
