@@ -233,13 +233,20 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           }
         }
       };
+      // Block n into the next ring slot (only the leader issues; every lane advances the slot).
       auto load_kv = [&](int n) {
-        mbarrier_wait(k_empty(slot), parity ^ 1);
-        mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
-        load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
-        mbarrier_wait(v_empty(slot), parity ^ 1);
-        mbarrier_arrive_expect_tx(v_full(slot), kKVBytes);
-        load(sV + slot * kKVBytes, &p.v_map, v_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+        if (leader) {
+          mbarrier_wait(k_empty(slot), parity ^ 1);
+          mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
+          load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+          mbarrier_wait(v_empty(slot), parity ^ 1);
+          mbarrier_arrive_expect_tx(v_full(slot), kKVBytes);
+          load(sV + slot * kKVBytes, &p.v_map, v_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+        }
+        if (++slot == kStages) {
+          slot = 0;
+          parity ^= 1;
+        }
       };
       if (leader) {
         mbarrier_arrive_expect_tx(q_full, kQBytes);
@@ -249,22 +256,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
       int n = t.n_max - 1;
 #pragma unroll 1  // unrolled, these loops no longer fit the producer's 24 registers
-      for (int issued = 0; n >= t.n_min && issued < kStages; --n, ++issued) {
-        if (leader) load_kv(n);
-        if (++slot == kStages) {
-          slot = 0;
-          parity ^= 1;
-        }
-      }
+      for (int issued = 0; n >= t.n_min && issued < kStages; --n, ++issued) load_kv(n);
       hand_off(index, q_phase ^ 1);
 #pragma unroll 1
-      for (; n >= t.n_min; --n) {
-        if (leader) load_kv(n);
-        if (++slot == kStages) {
-          slot = 0;
-          parity ^= 1;
-        }
-      }
+      for (; n >= t.n_min; --n) load_kv(n);
       index = next_tile();
     }
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
