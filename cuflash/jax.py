@@ -4,19 +4,28 @@ the input and output buffers (NumPy-viewable on CPU, CUDA-array-interface on GPU
 stream, and hands them to `dispatch.execute` — the same path CuPy and torch arrays take. So work
 is ordered after its producers on XLA's own stream, with no copy and no host synchronisation.
 
-(The differentiable `cuflash.jax.attention` with `jax.custom_vjp` builds on this.)
+`cuflash.jax.attention` and `attention_varlen` are the differentiable entry points: a
+`jax.custom_vjp` whose forward saves q, k, v, out and lse (never the score matrix) and whose
+backward is `attention_backward`, both through the same callback. Under `jax.vmap` the dense ops
+fold the mapped axes into the batch (the callback sees them as leading dimensions; XLA's buffers
+are row-major, so the fold is a view); varlen ops run once per mapped element.
 """
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+import math
+from functools import lru_cache, partial
 
 import jax
 import numpy as np
 
-from . import dispatch
+from . import api, dispatch
 from .arrays import Device
 from .problem import Problem
+
+# Ops whose arrays all lead with the batch dimension: vmapped axes fold into it.
+_BATCH_LEADING_OPS = frozenset({"attention_forward", "attention_backward", "backward_preprocess"})
+_BASE_RANK = 4  # of q (and dout, the first input of the backward ops): (batch, seqlen, heads, dim)
 
 
 def _jax_dtype(name: str):
@@ -38,6 +47,26 @@ def _buffer_device(buffer) -> Device:
     return Device("cuda", int(cupy.cuda.runtime.pointerGetAttributes(ptr).device))
 
 
+class _CudaView:
+    """A contiguous device buffer seen with another shape (the CUDA array interface, folded)."""
+
+    def __init__(self, cai: dict, shape: tuple[int, ...]):
+        self.__cuda_array_interface__ = dict(cai, shape=shape, strides=None)
+
+
+def _fold(buffer, lead: int, device: Device):
+    """`buffer` with its `lead` vmapped leading dimensions folded into the batch dimension after them."""
+    if lead == 0:
+        return buffer
+    shape = tuple(buffer.shape)
+    folded = (math.prod(shape[:lead + 1]),) + shape[lead + 1:]
+    if not device.is_cuda:
+        return np.asarray(buffer).reshape(folded)  # a view: XLA's buffers are dense and row-major
+    cai = buffer.__cuda_array_interface__
+    assert cai.get("strides") is None, "XLA buffers are dense and row-major"
+    return _CudaView(cai, folded)
+
+
 @lru_cache(maxsize=256)
 def _callable(problem: Problem, input_names: tuple[str, ...], outputs: tuple[tuple[str, tuple, str], ...]):
     """One buffer_callback per distinct call signature, so eager calls reuse XLA's compilation."""
@@ -45,16 +74,101 @@ def _callable(problem: Problem, input_names: tuple[str, ...], outputs: tuple[tup
 
     output_names = tuple(name for name, _, _ in outputs)
     result_types = tuple(jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for _, shape, dtype in outputs)
+    foldable = problem.op in _BATCH_LEADING_OPS
 
     def callback(ctx, outs, *ins):
-        p = dataclasses.replace(problem, device=_buffer_device(outs[0]))
-        dispatch.execute(p, dict(zip(input_names, ins)), dict(zip(output_names, outs)),
-                         int(ctx.stream) if p.device.is_cuda else None)
+        device = _buffer_device(outs[0])
+        lead = len(ins[0].shape) - _BASE_RANK if foldable else 0  # axes added by jax.vmap
+        p = dataclasses.replace(problem, device=device, batch=math.prod(ins[0].shape[:lead + 1]))
+        dispatch.execute(p, {n: _fold(x, lead, device) for n, x in zip(input_names, ins)},
+                         {n: _fold(x, lead, device) for n, x in zip(output_names, outs)},
+                         int(ctx.stream) if device.is_cuda else None)
 
-    return buffer_callback(callback, result_types)
+    # broadcast_all: under vmap every input gets the mapped axes (unmapped ones broadcast by XLA).
+    return buffer_callback(callback, result_types, vmap_method="broadcast_all" if foldable else "sequential")
 
 
 def call(problem: Problem, inputs: dict, outputs: dict[str, tuple]) -> tuple:
     """Run `problem` on JAX arrays or tracers; returns JAX arrays, in the order of `outputs`."""
     spec = tuple((name, tuple(shape), dtype) for name, (shape, dtype) in outputs.items())
     return tuple(_callable(problem, tuple(inputs), spec)(*inputs.values()))
+
+
+# ----------------------------------------------------------------------------- differentiable
+
+
+def _features(q, causal, softmax_scale, window, softcap) -> tuple:
+    f = api._features(q.shape[-1], causal, softmax_scale, window, softcap)
+    return f["causal"], f["softmax_scale"], f["window_left"], f["window_right"], f["softcap"]
+
+
+def _keywords(features: tuple) -> dict:
+    causal, softmax_scale, window_left, window_right, softcap = features
+    return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, features):
+    return api.attention(q, k, v, return_lse=True, **_keywords(features))
+
+
+def _attention_fwd(q, k, v, features):
+    out, lse = api.attention(q, k, v, return_lse=True, **_keywords(features))
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(features, residuals, cotangents):
+    dout, _ = cotangents  # lse is returned without a gradient (stop_gradient in `attention`)
+    # JAX may hand over the cotangent as a NumPy array (outside jit); api wants one framework
+    return api.attention_backward(jax.numpy.asarray(dout), *residuals, **_keywords(features))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`cuflash.attention` for JAX arrays, differentiable in q, k and v (jax.grad, jax.jit, jax.vmap;
+    see `cuflash.attention` for the semantics). Returns out, or (out, lse) with return_lse=True;
+    lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays)."""
+    return_lse = api._check_return_lse(return_lse)
+    q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
+    out, lse = _attention(q, k, v, _features(q, causal, softmax_scale, window, softcap))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
+    return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                **_keywords(features))
+
+
+def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
+    out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    return_lse=True, **_keywords(features))
+    return (out, lse), (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+def _attention_varlen_bwd(max_seqlen_q, max_seqlen_k, features, residuals, cotangents):
+    dout, _ = cotangents
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = residuals
+    dq, dk, dv = api.attention_varlen_backward(jax.numpy.asarray(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, **_keywords(features))
+    no_tangent = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # integer inputs have none
+    return dq, dk, dv, no_tangent(cu_seqlens_q), no_tangent(cu_seqlens_k)
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`cuflash.attention_varlen` for JAX arrays, differentiable in q, k and v. max_seqlen_q and
+    max_seqlen_k must be Python ints (static under jax.jit)."""
+    return_lse = api._check_return_lse(return_lse)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int; got {value!r}")
+    q, k, v, cu_seqlens_q, cu_seqlens_k = (jax.numpy.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 _features(q, causal, softmax_scale, window, softcap))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -1,0 +1,145 @@
+"""Differentiable attention for PyTorch.
+
+`cuflash.torch.attention` and `cuflash.torch.attention_varlen` are `torch.library` custom ops with
+autograd and fake (shape-only) implementations, so they work under autograd and `torch.compile`
+without graph breaks. Each op calls the framework-agnostic function of `cuflash.api`: CUDA tensors
+run cuflash's kernels on torch's current stream with outputs allocated by torch; CPU tensors run the
+NumPy reference (which is how CI checks the gradients). The forward saves q, k, v, out and lse for
+the backward, never the score matrix. lse, when returned, is not differentiable (like
+FlashAttention's): gradients flow through out only.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from . import api
+
+# Features travel through the ops as plain scalars (the custom-op schema has no tuples or None):
+# causal, softmax_scale, window_left, window_right, softcap, already checked by api._features.
+
+
+@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                   window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
+                         softcap=softcap, return_lse=True)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                  window=(window_left, window_right), softcap=softcap)
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_dense(ctx, inputs, output):
+    q, k, v, *features = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.features = features
+    ctx.mark_non_differentiable(lse)
+
+
+def _grad_dense(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # autograd may hand over a strided gradient; the kernels read rows with unit stride
+    dq, dk, dv = _attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.features)
+    return (dq, dk, dv) + (None,) * len(ctx.features)
+
+
+_attention_fwd.register_autograd(_grad_dense, setup_context=_save_dense)
+
+
+@torch.library.custom_op("cuflash::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: float, window_left: int, window_right: int,
+                          softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                return_lse=True)
+
+
+@_attention_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+      window_right, softcap):
+    total_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                          softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                         window=(window_left, window_right), softcap=softcap)
+
+
+@_attention_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_varlen(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.scalars = scalars  # max_seqlen_q, max_seqlen_k and the features
+    ctx.mark_non_differentiable(lse)
+
+
+def _grad_varlen(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = _attention_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars)
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.scalars)
+
+
+_attention_varlen_fwd.register_autograd(_grad_varlen, setup_context=_save_varlen)
+
+
+def _features(q, causal, softmax_scale, window, softcap) -> tuple:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor for cuflash.torch; got {type(q).__module__}.{type(q).__qualname__} "
+                        "(cuflash.attention takes any framework's arrays)")
+    f = api._features(q.shape[-1], causal, softmax_scale, window, softcap)
+    return f["causal"], f["softmax_scale"], f["window_left"], f["window_right"], f["softcap"]
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`cuflash.attention` for torch tensors, differentiable in q, k and v (see its docstring for the
+    semantics). Returns out, or (out, lse) with return_lse=True; lse is not differentiable."""
+    return_lse = api._check_return_lse(return_lse)
+    out, lse = _attention_fwd(q, k, v, *_features(q, causal, softmax_scale, window, softcap))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`cuflash.attention_varlen` for torch tensors, differentiable in q, k and v. max_seqlen_q and
+    max_seqlen_k must be Python ints (the op's schema; under torch.compile they are constants)."""
+    return_lse = api._check_return_lse(return_lse)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int; got {value!r}")
+    out, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     *_features(q, causal, softmax_scale, window, softcap))
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["attention", "attention_varlen"]

@@ -1,0 +1,135 @@
+"""The differentiable entry points, cuflash.torch and cuflash.jax, on CPU: their gradients go
+through the NumPy reference's backward, checked against finite differences in float64; they trace
+under torch.compile (no graph break) and jax.jit, and jax.vmap folds mapped axes into the batch."""
+import numpy as np
+import pytest
+
+from cuflash import reference
+
+FEATURES = [dict(), dict(causal=True), dict(window=(3, 1), softcap=2.0), dict(causal=True, window=(2, -1), softmax_scale=0.4)]
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+# ----------------------------------------------------------------------------- torch
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("kw", FEATURES)
+def test_torch_gradcheck_dense(kw):
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(1)
+    q, k, v = (torch.tensor(_rand(rng, *s), requires_grad=True) for s in ((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8)))
+    assert torch.autograd.gradcheck(lambda q, k, v: ct.attention(q, k, v, **kw), (q, k, v))
+
+
+def test_torch_gradcheck_varlen():
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(2)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    q, k, v = (torch.tensor(_rand(rng, *s), requires_grad=True) for s in ((8, 4, 8), (9, 2, 8), (9, 2, 8)))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ct.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True), (q, k, v))
+
+
+def test_torch_compile_has_no_graph_break_and_lse_is_not_differentiable():
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.tensor(_rand(rng, 2, 6, 2, 8), requires_grad=True) for _ in range(3))
+
+    def loss(q, k, v):
+        out, lse = ct.attention(q, k, v, causal=True, return_lse=True)
+        return out.square().sum(), lse
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    value, lse = compiled(q, k, v)
+    assert not lse.requires_grad
+    value.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    loss(q, k, v)[0].backward()
+    for got, want in zip(grads, (x.grad for x in (q, k, v))):
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_entry_points_refuse_bad_arguments_by_name():
+    import cuflash.torch as ct
+
+    x = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(TypeError, match="^q must be a torch.Tensor"):
+        ct.attention(np.zeros((1, 2, 1, 8)), x, x)
+    with pytest.raises(TypeError, match="^window must be a pair of ints"):
+        ct.attention(x, x, x, window=3)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(TypeError, match="^max_seqlen_q must be an int"):
+        ct.attention_varlen(x[0], x[0], x[0], cu, cu, 2.0, 2)
+
+
+# ----------------------------------------------------------------------------- jax
+
+jax = pytest.importorskip("jax")
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("kw", FEATURES)
+def test_jax_check_grads_dense(kw, x64):
+    from jax.test_util import check_grads
+
+    import cuflash.jax as cj
+
+    rng = np.random.default_rng(4)
+    args = tuple(jax.numpy.asarray(_rand(rng, *s)) for s in ((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8)))
+    check_grads(lambda q, k, v: cj.attention(q, k, v, **kw), args, order=1, modes=["rev"])
+
+
+def test_jax_check_grads_varlen_and_jit(x64):
+    from jax.test_util import check_grads
+
+    import cuflash.jax as cj
+
+    rng = np.random.default_rng(5)
+    cu_q, cu_k = np.array([0, 3, 3, 8], np.int32), np.array([0, 4, 6, 9], np.int32)
+    args = tuple(jax.numpy.asarray(_rand(rng, *s)) for s in ((8, 4, 8), (9, 2, 8), (9, 2, 8)))
+    f = lambda q, k, v: cj.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True)
+    check_grads(f, args, order=1, modes=["rev"])
+    eager = jax.grad(lambda q: f(q, *args[1:]).sum())(args[0])
+    jitted = jax.jit(jax.grad(lambda q: f(q, *args[1:]).sum()))(args[0])
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-12, atol=1e-12)
+
+
+def test_jax_vmap_folds_into_the_batch(x64):
+    import cuflash.jax as cj
+
+    rng = np.random.default_rng(6)
+    qs = jax.numpy.asarray(_rand(rng, 3, 2, 5, 4, 8))  # mapped over the first axis; k, v shared
+    k, v = (jax.numpy.asarray(_rand(rng, 2, 7, 2, 8)) for _ in range(2))
+    out = jax.vmap(lambda q: cj.attention(q, k, v, causal=True))(qs)
+    want = np.stack([reference.forward(np.asarray(q), np.asarray(k), np.asarray(v), causal=True)[0] for q in qs])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+    grad = lambda q: jax.grad(lambda q: cj.attention(q, k, v).sum())(q)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(grad))(qs)), np.stack([np.asarray(grad(q)) for q in qs]),
+                               rtol=1e-12, atol=1e-12)
+    # nested vmap (two mapped axes) and a mapped varlen call (run once per element)
+    nested = jax.vmap(jax.vmap(lambda q: cj.attention(q, k, v)))(qs.reshape(3, 1, 2, 5, 4, 8))
+    np.testing.assert_allclose(np.asarray(nested).reshape(out.shape),
+                               np.stack([reference.forward(np.asarray(q), np.asarray(k), np.asarray(v))[0] for q in qs]),
+                               rtol=1e-12, atol=1e-12)
+    cu = np.array([0, 3, 7], np.int32)
+    qv = jax.numpy.asarray(_rand(rng, 2, 7, 4, 8))
+    kv = jax.numpy.asarray(_rand(rng, 7, 2, 8))
+    got = jax.vmap(lambda q: cj.attention_varlen(q, kv, kv, cu, cu, 4, 4))(qv)
+    want = np.stack([reference.varlen_forward(np.asarray(q), np.asarray(kv), np.asarray(kv), cu, cu)[0] for q in qv])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
