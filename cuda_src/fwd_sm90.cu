@@ -56,7 +56,7 @@ struct FwdSm90Params {
   float softcap_scale;     // softmax_scale / softcap
   float softcap;
   int nheads;
-  int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / 128)
+  int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / kBlockM)
   int num_tiles;           // blocks_m * nheads * batch
   int counter_slot;        // which tile counter this launch uses (see tile_counters)
   int reserved;
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
   // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
-  // hand-off of the tile before, and read right after its own hand-off (named barrier 5 both times).
+  // hand-off of the tile before, and read right after its own hand-off (kTileBarrier both times).
   const unsigned tile_slots = bars + 8u * (2 + 4 * kStages);
 
   const int tid = threadIdx.x;
@@ -265,6 +265,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
     if (leader) {
       int* counter = tile_counters[p.counter_slot];
+      __threadfence();  // this CTA's draws are ordered before its "done"
       if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
         atomicExch(counter, 0);
         atomicExch(counter + 1, 0);

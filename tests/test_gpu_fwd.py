@@ -136,6 +136,18 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
 
 
+@BACKENDS
+def test_windows_reaching_past_every_key_are_unbounded(backend):
+    """Window bounds up to int32's maximum are accepted; the kernels must not overflow on them."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 200, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 333, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    big = 2**31 - 1
+    for window in ((big, big), (-1, big), (big, -1), (big, 0)):
+        out, lse = cuflash.attention(q, k, k, window=window, return_lse=True, backend=backend)
+        _check(out, lse, q, k, k, dict(causal=False, window=window, softcap=0.0, softmax_scale=None))
+
+
 def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason(caplog):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Hopper only")

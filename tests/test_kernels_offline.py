@@ -98,3 +98,14 @@ def test_fwd_sm90_register_split_fits_the_register_file():
     for consumers, producer, consumer in ((int(a), int(b), int(c)) for a, b, c in splits):
         assert 128 * (producer + consumers * consumer) <= 65536
         assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer <= consumer <= 256
+
+
+def test_fwd_sm90_tile_counter_slots_match_the_kernel():
+    """The host hands out counter slots modulo TILE_COUNTERS; the kernel has kTileCounters of them."""
+    import re
+
+    from cuflash.jit import source_dir
+    from cuflash.kernels import fwd_sm90
+
+    text = (source_dir() / "fwd_sm90.cu").read_text()
+    assert int(re.search(r"constexpr int kTileCounters = (\d+);", text).group(1)) == fwd_sm90.TILE_COUNTERS

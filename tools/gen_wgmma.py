@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-HEADER = Path(__file__).resolve().parent.parent / "cuda_src" / "common" / "wgmma.cuh"
-
-# The N extents in use: S = Q K^T has N = block_n, O += P V has N = the padded head dim.
-NS = (64, 80, 96, 112, 128, 176, 192, 256)
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = ROOT / "cuda_src" / "common" / "wgmma.cuh"
+sys.path.insert(0, str(ROOT))
+from cuflash.kernels.fwd_sm90 import WGMMA_N as NS  # noqa: E402  the N extents the kernels use
 TYPES = {"half_t": "f16", "bfloat16_t": "bf16"}
 
 

@@ -156,6 +156,14 @@ def output_strides(problem, inputs, out, lse):
     return out.strides[:3], lse.strides[:2], 0, 0
 
 
+def kernel_window(problem) -> tuple[int, int]:
+    """(left, right) as the kernels take them: a bound that reaches past every key of every row
+    (left >= seqlen_k, right >= seqlen_q; the maxima for varlen) is unbounded, -1. The same
+    semantics, and the kernels' int32 index arithmetic never sees values near 2^31."""
+    left, right = problem.window_left, problem.window_right
+    return (-1 if left >= problem.seqlen_k else left), (-1 if right >= problem.seqlen_q else right)
+
+
 def softmax_constants(problem) -> tuple[float, float, float]:
     """(scale_log2, softcap_scale, softcap). With softcap the kernels cap
     softcap * tanh(s * scale / softcap) first, then scale by log2(e)."""
@@ -176,7 +184,7 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
     params = np.empty(1, FWD_PARAMS)
     params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k, *token_strides[0], *token_strides[1],
                  *token_strides[2], *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
-                 problem.nheads // problem.nheads_kv, problem.headdim, problem.window_left, problem.window_right,
+                 problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  *softmax_constants(problem), 0)
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
         function((blocks_m, problem.nheads, problem.batch), (variant.threads,), (params.view(PARAMS_BYTES),),

@@ -1,5 +1,5 @@
-"""fwd_sm90: the warp-specialised Hopper forward (cuda_src/fwd_sm90.cu): TMA producer, two wgmma
-consumer warpgroups, for compute capability 9.0 (compiled for sm_90a)."""
+"""fwd_sm90: the warp-specialised Hopper forward (cuda_src/fwd_sm90.cu): TMA producer, two or three
+wgmma consumer warpgroups, for compute capability 9.0 (compiled for sm_90a)."""
 from __future__ import annotations
 
 import itertools
@@ -11,22 +11,24 @@ import numpy as np
 
 from .. import tma
 from . import CXX_TYPES, Family, Variant, rows_aligned
-from .fwd_sm80 import ELEMENT_BYTES, HEADDIM_ALIGN, output_strides, softmax_constants
+from .fwd_sm80 import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
 HEADDIMS = (64, 128, 192, 256)
+# The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
+# these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
+WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
 
-# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong));
-# the first
-# row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups of 64
-# query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
+# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong)):
+# the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
+# of 64 query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
 # bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
-# offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory
-# (Q and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that fits; up to
-# 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile). Softcap keeps
-# more registers live per score, so it always takes the first (narrowest) row. pingpong: the two
-# consumers take turns issuing GEMMs. Measurements behind the choices: benchmarks/NOTES-sm90.md.
+# offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q
+# and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that
+# fits; up to 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile).
+# Softcap keeps more registers live per score, so it always takes the first (narrowest) row.
+# pingpong: the consumers take turns issuing GEMMs. Measurements: benchmarks/NOTES-sm90.md.
 TILES = {
     64: ((None, (3, 128, 2, False)),),
     128: ((2048, (2, 128, 2, True)), (None, (2, 176, 2, True))),
@@ -88,8 +90,8 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
-        if self.block_n % 16 or not 16 <= self.block_n <= 256 or self.stages < 1:
-            raise ValueError(f"fwd_sm90: block_n={self.block_n} must be a multiple of 16 in [16, 256] and "
+        if self.block_n not in WGMMA_N or self.stages < 1:
+            raise ValueError(f"fwd_sm90: block_n={self.block_n} must be one of the wgmma extents {WGMMA_N} and "
                              f"stages={self.stages} at least 1")
         if self.dynamic_shared_bytes > SMEM_LIMIT:
             raise ValueError(f"fwd_sm90: headdim {self.headdim}, block_n {self.block_n}, {self.stages} stages need "
@@ -154,7 +156,8 @@ def select(problem, inputs) -> FwdSm90Variant:
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
-    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31:
+    # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
+    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
         raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too large")
     return variant
 
@@ -194,7 +197,7 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
                  _tensor_map(problem, k, problem.nheads_kv, variant.block_n),
                  _tensor_map(problem, v, problem.nheads_kv, variant.block_n),
                  out.ptr, lse.ptr, cu_q, cu_k, *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
-                 problem.nheads // problem.nheads_kv, problem.headdim, problem.window_left, problem.window_right,
+                 problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  *softmax_constants(problem), problem.nheads, blocks_m, num_tiles, next(_counter_slots), 0)
     grid = min(num_tiles, _sm_count(problem.device.index)) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
