@@ -14,7 +14,7 @@
 // row sum once, at the end, then staged through shared memory for 16-byte stores; the LSE goes
 // out in natural log. Rows beyond seqlen_q, keys beyond seqlen_k and head-dim columns beyond
 // `headdim` (kHeadDim is the padded size) are zero-filled on load and never stored.
-#include "common/sm80.cuh"
+#include "common/masking.cuh"
 
 namespace cuflash {
 
@@ -39,7 +39,7 @@ struct FwdParams {
   int headdim;             // the caller's head dim (<= kHeadDim; the rest is zero padding)
   int window_left, window_right;  // -1: unbounded; causal is window_right = 0
   float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
-  float softcap_scale;     // softmax_scale / softcap
+  float softcap_exp2_scale;  // 2 * log2(e) * softmax_scale / softcap: tanh's exponent per score
   float softcap;
   int reserved;
 };
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
   int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const int group = p.group, headdim = p.headdim, window_left = p.window_left, window_right = p.window_right;
-  const float scale_log2 = p.scale_log2, softcap_scale = p.softcap_scale, softcap = p.softcap;
+  const float scale_log2 = p.scale_log2, softcap_exp2_scale = p.softcap_exp2_scale, softcap = p.softcap;
   const long long q_stride_b = p.q_stride_b, q_stride_s = p.q_stride_s, q_stride_h = p.q_stride_h;
   const long long k_stride_b = p.k_stride_b, k_stride_s = p.k_stride_s, k_stride_h = p.k_stride_h;
   const long long v_stride_b = p.v_stride_b, v_stride_s = p.v_stride_s, v_stride_h = p.v_stride_h;
@@ -103,19 +103,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   const T* k_base = k + (kVarlen ? k_row0 * k_stride_s : b * k_stride_b) + h_kv * k_stride_h;
   const T* v_base = v + (kVarlen ? k_row0 * v_stride_s : b * v_stride_b) + h_kv * v_stride_h;
 
-  // Keys any row of this block can see: query i sees key j iff
-  // i + offset - left <= j <= i + offset + right (bottom-right aligned; -1 = unbounded).
-  const int offset = seqlen_k - seqlen_q;
-  const int row_last = min(m0 + kBlockM, seqlen_q) - 1;
-  const int key_lo = window_left >= 0 ? max(0, m0 + offset - window_left) : 0;
-  const int key_hi = window_right >= 0 ? min(seqlen_k, row_last + offset + window_right + 1) : seqlen_k;
-  const int n_min = key_lo / kBlockN;
-  const int n_max = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_min;
-  // Blocks n_full_lo <= n <= n_full_hi are visible to every row: no per-element mask there.
-  // Below: some row's window starts after n0. Above: the key tail, or some row's window ends
-  // before the block does.
-  const int n_full_lo = window_left >= 0 ? (max(0, row_last + offset - window_left) + kBlockN - 1) / kBlockN : 0;
-  const int n_full_hi = (window_right >= 0 ? min(seqlen_k, m0 + offset + window_right + 1) : seqlen_k) / kBlockN - 1;
+  const KeyBlocks kb = key_blocks<kBlockN>(m0, kBlockM, seqlen_q, seqlen_k, window_left, window_right);
+  const int n_min = kb.n_min, n_max = kb.n_max;
 
   // Tile loads: consecutive threads take consecutive 16-byte chunks of a row (coalesced). Each
   // thread keeps one chunk column and steps down the tile kRowsPerPass rows at a time, so a tile
@@ -214,24 +203,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the ends, absolute error ~1e-7 near 0
-            const float t = ex2(s[mt][nt][e] * softcap_scale * 2.885390081777927f);  // 2 * log2(e)
-            s[mt][nt][e] = softcap * (1.f - __fdividef(2.f, t + 1.f));  // t = inf gives 2 / inf = 0
-          }
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap_score(s[mt][nt][e], softcap_exp2_scale, softcap);
     }
 
     // Mask only the blocks that straddle a boundary: the key tail or a window edge.
-    if (n < n_full_lo || n > n_full_hi) {
+    if (n < kb.n_full_lo || n > kb.n_full_hi) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          // This row's visible keys, relative to this thread's first column of the block.
-          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
-          const int col0 = n0 + (lane % 4) * 2;
-          const int lo = (window_left >= 0 ? i + offset - window_left : 0) - col0;
-          const int hi = (window_right >= 0 ? min(seqlen_k - 1, i + offset + window_right) : seqlen_k - 1) - col0;
+          int lo, hi;  // this row's visible keys, relative to this thread's first column of the block
+          visible_columns(m0 + warp_row0 + mt * 16 + lane / 4 + hf * 8, n0 + (lane % 4) * 2, seqlen_q, seqlen_k,
+                          window_left, window_right, lo, hi);
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -246,25 +229,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        float mx = row_max[mt][hf];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][hf * 2], s[mt][nt][hf * 2 + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        const float base = mx == -infinity() ? 0.f : mx * scale_log2;
-        const float correction = ex2(row_max[mt][hf] * scale_log2 - base);
-        row_max[mt][hf] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = ex2(fmaf(s[mt][nt][hf * 2 + e], scale_log2, -base));
-            s[mt][nt][hf * 2 + e] = p;
-            sum += p;
-          }
-        row_sum[mt][hf] = row_sum[mt][hf] * correction + sum;
+        const float correction = online_softmax_row<2 * kNTiles>(
+            [&](int c) -> float& { return s[mt][c / 2][hf * 2 + c % 2]; }, row_max[mt][hf], row_sum[mt][hf],
+            scale_log2);
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           acc_o[mt][dt][hf * 2] *= correction;

@@ -33,6 +33,7 @@
 // Each consumer releases Q once its last GEMM of the tile is done, so the next tile's Q loads while
 // it divides O by the row sums and stores it straight from the accumulators (a quad of threads
 // writes 16 contiguous bytes of a row); the LSE goes out in natural log.
+#include "common/masking.cuh"
 #include "common/sm90.cuh"
 
 namespace cuflash {
@@ -53,7 +54,7 @@ struct FwdSm90Params {
   int headdim;             // the caller's head dim (<= kHeadDim)
   int window_left, window_right;  // -1: unbounded; causal is window_right = 0
   float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
-  float softcap_scale;     // softmax_scale / softcap
+  float softcap_exp2_scale;  // 2 * log2(e) * softmax_scale / softcap: tanh's exponent per score
   float softcap;
   int nheads;
   int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / kBlockM)
@@ -94,8 +95,7 @@ struct Tile {
   int m0, h, b;
   int seqlen_q, seqlen_k;
   int q_row0, k_row0;  // varlen: where the sequence starts in the packed tensors
-  int n_min, n_max;    // key blocks [n_min, n_max); empty when n_max <= n_min
-  int row_last;        // last row of the tile inside the sequence
+  KeyBlocks kb;        // the key blocks its rows see (none for a tile beyond its varlen sequence)
 };
 
 template <int kBlockM, int kBlockN, bool kVarlen>
@@ -115,14 +115,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
     t.seqlen_q = p.cu_seqlens_q[t.b + 1] - t.q_row0;
     t.seqlen_k = p.cu_seqlens_k[t.b + 1] - t.k_row0;
   }
-  // Query i sees key j iff i + offset - left <= j <= i + offset + right (bottom-right aligned;
-  // -1 = unbounded). A tile beyond its (varlen) sequence gets no rows and no key blocks.
-  const int offset = t.seqlen_k - t.seqlen_q;
-  t.row_last = min(t.m0 + kBlockM, t.seqlen_q) - 1;
-  const int key_lo = p.window_left >= 0 ? max(0, t.m0 + offset - p.window_left) : 0;
-  const int key_hi = p.window_right >= 0 ? min(t.seqlen_k, t.row_last + offset + p.window_right + 1) : t.seqlen_k;
-  t.n_min = key_lo / kBlockN;
-  t.n_max = key_hi > key_lo && t.m0 < t.seqlen_q ? (key_hi + kBlockN - 1) / kBlockN : t.n_min;
+  t.kb = key_blocks<kBlockN>(t.m0, kBlockM, t.seqlen_q, t.seqlen_k, p.window_left, p.window_right);
   return t;
 }
 
@@ -216,7 +209,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
       if (leader) mbarrier_wait(q_empty, q_phase ^ 1);
       q_phase ^= 1;
-      if (t.n_max <= t.n_min) {
+      if (t.kb.n_max <= t.kb.n_min) {
         if (leader) mbarrier_arrive(q_full);
         hand_off(index, q_phase ^ 1);
         index = next_tile();
@@ -254,12 +247,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
       // K/V blocks from last to first. The first kStages only wait for slots the previous tile
       // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
-      int n = t.n_max - 1;
+      int n = t.kb.n_max - 1;
 #pragma unroll 1  // unrolled, these loops no longer fit the producer's 24 registers
-      for (int issued = 0; n >= t.n_min && issued < kStages; --n, ++issued) load_kv(n);
+      for (int issued = 0; n >= t.kb.n_min && issued < kStages; --n, ++issued) load_kv(n);
       hand_off(index, q_phase ^ 1);
 #pragma unroll 1
-      for (; n >= t.n_min; --n) load_kv(n);
+      for (; n >= t.kb.n_min; --n) load_kv(n);
       index = next_tile();
     }
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
@@ -324,20 +317,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       arrive(q_empty);
       continue;
     }
-    if (t.n_max <= t.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded: only the index was read
-    const int offset = t.seqlen_k - t.seqlen_q;
-    // Blocks n_full_lo <= n <= n_full_hi are visible to every row of the tile: no per-element mask.
-    const int n_full_lo = window_left >= 0 ? (max(0, t.row_last + offset - window_left) + kBlockN - 1) / kBlockN : 0;
-    const int n_full_hi =
-        (window_right >= 0 ? min(t.seqlen_k, t.m0 + offset + window_right + 1) : t.seqlen_k) / kBlockN - 1;
-
+    if (t.kb.n_max <= t.kb.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded: only the index was read
     float o[kOAcc];
 #pragma unroll
     for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
     float row_max[2] = {-infinity(), -infinity()};
     float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
 
-    if (t.n_max > t.n_min) {
+    if (t.kb.n_max > t.kb.n_min) {
       float s[kSAcc];
       unsigned pa[kPSteps][4];
 
@@ -361,20 +348,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto softmax = [&](int n, float (&correction)[2]) {
         if constexpr (kSoftcap) {
 #pragma unroll
-          for (int i = 0; i < kSAcc; ++i) {
-            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the ends, absolute error ~1e-7 near 0
-            const float e = ex2(s[i] * p.softcap_scale * 2.885390081777927f);  // 2 * log2(e)
-            s[i] = p.softcap * (1.f - __fdividef(2.f, e + 1.f));
-          }
+          for (int i = 0; i < kSAcc; ++i) s[i] = softcap_score(s[i], p.softcap_exp2_scale, p.softcap);
         }
-        if (n < n_full_lo || n > n_full_hi) {
+        if (n < t.kb.n_full_lo || n > t.kb.n_full_hi) {  // only blocks that straddle a boundary
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const int i = t.m0 + wg * 64 + row_in_wg + 8 * hf;
-            const int col0 = n * kBlockN + 2 * (lane % 4);
-            const int lo = (window_left >= 0 ? i + offset - window_left : 0) - col0;
-            const int hi =
-                (window_right >= 0 ? min(t.seqlen_k - 1, i + offset + window_right) : t.seqlen_k - 1) - col0;
+            int lo, hi;  // this row's visible keys, relative to this thread's first column of the block
+            visible_columns(t.m0 + wg * 64 + row_in_wg + 8 * hf, n * kBlockN + 2 * (lane % 4), t.seqlen_q, t.seqlen_k,
+                            window_left, window_right, lo, hi);
 #pragma unroll
             for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
@@ -385,25 +366,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          float mx = row_max[hf];
-#pragma unroll
-          for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
-          const float base = mx == -infinity() ? 0.f : mx * p.scale_log2;
-          correction[hf] = ex2(row_max[hf] * p.scale_log2 - base);
-          row_max[hf] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pe = ex2(fmaf(s[4 * nt + 2 * hf + e], p.scale_log2, -base));
-              s[4 * nt + 2 * hf + e] = pe;
-              sum += pe;
-            }
-          row_sum[hf] = row_sum[hf] * correction[hf] + sum;
+          correction[hf] = online_softmax_row<kBlockN / 4>(
+              [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf], p.scale_log2);
         }
       };
       // P in 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are the A registers of k16 step j.
@@ -428,11 +392,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       arrive(k_empty(it() % kStages));
       {
         float correction[2];
-        softmax(t.n_max - 1, correction);
+        softmax(t.kb.n_max - 1, correction);
       }
       pack_p();
 
-      for (int n = t.n_max - 2; n >= t.n_min; --n) {
+      for (int n = t.kb.n_max - 2; n >= t.kb.n_min; --n) {
         const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
         progress += 2;
         const int slot = it() % kStages;

@@ -51,7 +51,7 @@ FWD_PARAMS = np.dtype(
     + [(f"{t}_stride_{d}", np.int64) for t in ("q", "k", "v", "o") for d in ("b", "s", "h")]
     + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
     + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "softcap")]
+    + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
     + [("reserved", np.int32)],
     align=True)
 assert FWD_PARAMS.itemsize == 208, "keep in step with static_assert(sizeof(FwdParams) == 208)"
@@ -165,11 +165,12 @@ def kernel_window(problem) -> tuple[int, int]:
 
 
 def softmax_constants(problem) -> tuple[float, float, float]:
-    """(scale_log2, softcap_scale, softcap). With softcap the kernels cap
-    softcap * tanh(s * scale / softcap) first, then scale by log2(e)."""
+    """(scale_log2, softcap_exp2_scale, softcap). With softcap the kernels cap
+    softcap * tanh(s * scale / softcap) first (tanh through exp2 of s * softcap_exp2_scale), then
+    scale by log2(e)."""
     softcap = problem.softcap
     if softcap:
-        return LOG2E, problem.softmax_scale / softcap, softcap
+        return LOG2E, 2 * LOG2E * problem.softmax_scale / softcap, softcap
     return problem.softmax_scale * LOG2E, 0.0, 0.0
 
 

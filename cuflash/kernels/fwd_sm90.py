@@ -27,7 +27,6 @@ WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
 # offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q
 # and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that
 # fits; up to 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile).
-# Softcap keeps more registers live per score, so it always takes the first (narrowest) row.
 # pingpong: the consumers take turns issuing GEMMs. Measurements: benchmarks/NOTES-sm90.md.
 TILES = {
     64: ((None, (3, 128, 2, False)),),
@@ -35,6 +34,9 @@ TILES = {
     192: ((None, (2, 112, 2, True)),),
     256: ((None, (2, 80, 2, False)),),
 }
+# Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
+# narrow blocks at 128), where nothing spills.
+SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2, True), 256: (2, 80, 2, False)}
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
@@ -62,7 +64,7 @@ FWD_SM90_PARAMS = np.dtype(
     + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
     + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
     + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "softcap")]
+    + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
     + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot", "reserved")])
 assert FWD_SM90_PARAMS.itemsize == 512, "keep in step with static_assert(sizeof(FwdSm90Params) == 512)"
 PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
@@ -121,7 +123,7 @@ class FwdSm90Variant(Variant):
 
 
 def _rows(headdim: int, softcap: bool):
-    return TILES[headdim][:1] if softcap else TILES[headdim]
+    return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
 
 def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool]:

@@ -1,0 +1,76 @@
+// The contract's masks, softcap and the online-softmax step, shared by the forward kernels.
+// Query i sees key j iff i + offset - left <= j <= i + offset + right, offset = seqlen_k - seqlen_q
+// (aligned bottom-right; -1 = unbounded; causal is right = 0). Window bounds reach the kernels
+// clamped below 2^31 (cuflash/kernels/fwd_sm80.py, kernel_window), so this int arithmetic is exact.
+#pragma once
+
+#include "sm80.cuh"
+
+namespace cuflash {
+
+// The blocks of kBlockN keys that the query rows [m0, m0 + rows) of a tile see.
+struct KeyBlocks {
+  int n_min, n_max;          // some row sees a key of block n for n_min <= n < n_max (none: n_max <= n_min)
+  int n_full_lo, n_full_hi;  // every row sees all of block n for n_full_lo <= n <= n_full_hi: no mask there
+};
+
+template <int kBlockN>
+__device__ __forceinline__ KeyBlocks key_blocks(int m0, int rows, int seqlen_q, int seqlen_k, int left, int right) {
+  const int offset = seqlen_k - seqlen_q;
+  const int row_last = min(m0 + rows, seqlen_q) - 1;
+  const int key_lo = left >= 0 ? max(0, m0 + offset - left) : 0;
+  const int key_hi = right >= 0 ? min(seqlen_k, row_last + offset + right + 1) : seqlen_k;
+  KeyBlocks kb;
+  kb.n_min = key_lo / kBlockN;
+  kb.n_max = key_hi > key_lo && m0 < seqlen_q ? (key_hi + kBlockN - 1) / kBlockN : kb.n_min;
+  // Below n_full_lo some row's window starts inside the block; above n_full_hi lies the key tail,
+  // or some row's window ends inside the block.
+  kb.n_full_lo = left >= 0 ? (max(0, row_last + offset - left) + kBlockN - 1) / kBlockN : 0;
+  kb.n_full_hi = (right >= 0 ? min(seqlen_k, m0 + offset + right + 1) : seqlen_k) / kBlockN - 1;
+  return kb;
+}
+
+// The keys row i sees, as columns relative to col0: lo <= column <= hi.
+__device__ __forceinline__ void visible_columns(int i, int col0, int seqlen_q, int seqlen_k, int left, int right,
+                                                int& lo, int& hi) {
+  const int offset = seqlen_k - seqlen_q;
+  lo = (left >= 0 ? i + offset - left : 0) - col0;
+  hi = (right >= 0 ? min(seqlen_k - 1, i + offset + right) : seqlen_k - 1) - col0;
+}
+
+// softcap * tanh(x) for x = s * softmax_scale / softcap, with tanh(x) = 1 - 2 / (exp2(2 log2(e) x) + 1):
+// exact at the ends, absolute error ~1e-7 near 0. exp2_scale = 2 * log2(e) * softmax_scale / softcap
+// comes premultiplied from the host: one multiply per score.
+__device__ __forceinline__ float softcap_score(float s, float exp2_scale, float softcap) {
+  const float t = ex2(s * exp2_scale);
+  return softcap * (1.f - __fdividef(2.f, t + 1.f));  // t = inf gives 2 / inf = 0
+}
+
+// One row's online-softmax step over the kCols scores this thread holds of it (score(c) is a
+// reference to column c's; the row's other columns are held by the rest of the quad): the new
+// running maximum, the exponentials in place, the running sum. Returns the factor by which the
+// row's O accumulators must be rescaled.
+template <int kCols, typename Score>
+__device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
+  static_assert(kCols % 2 == 0, "scores come in column pairs");
+  float mx = row_max;
+#pragma unroll
+  for (int c = 0; c < kCols; c += 2) mx = fmaxf(mx, fmaxf(score(c), score(c + 1)));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+  const float base = mx == -infinity() ? 0.f : mx * scale_log2;
+  const float correction = ex2(row_max * scale_log2 - base);
+  row_max = mx;
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    float& x = score(c);
+    x = ex2(fmaf(x, scale_log2, -base));
+    sum += x;
+  }
+  row_sum = row_sum * correction + sum;
+  return correction;
+}
+
+}  // namespace cuflash
