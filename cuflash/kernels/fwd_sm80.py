@@ -9,13 +9,11 @@ from functools import lru_cache
 import numpy as np
 
 from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
+from .forward import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
-ELEMENT_BYTES = 2
-LOG2E = 1.0 / math.log(2.0)
 
 # The tile table: per compiled head dim, (block_m, block_n, warps, stages) in order of preference; the
 # first whose shared memory fits the GPU is used. block_m / warps rows per warp: 32 rows (two m16
@@ -145,33 +143,6 @@ def select(problem, inputs) -> FwdSm80Variant:
     headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
     tiles = _tiles(headdim, problem.varlen, _smem_optin(problem.device.index))
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
-
-
-def output_strides(problem, inputs, out, lse):
-    """Strides of out (elements) and lse for the kernels' parameter structs, and the cu_seqlens
-    pointers: varlen tensors are (total, heads, dim) with no batch stride, sequences starting at
-    cu_seqlens."""
-    if problem.varlen:
-        return (0, *out.strides[:2]), (0, lse.strides[0]), inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
-    return out.strides[:3], lse.strides[:2], 0, 0
-
-
-def kernel_window(problem) -> tuple[int, int]:
-    """(left, right) as the kernels take them: a bound that reaches past every key of every row
-    (left >= seqlen_k, right >= seqlen_q; the maxima for varlen) is unbounded, -1. The same
-    semantics, and the kernels' int32 index arithmetic never sees values near 2^31."""
-    left, right = problem.window_left, problem.window_right
-    return (-1 if left >= problem.seqlen_k else left), (-1 if right >= problem.seqlen_q else right)
-
-
-def softmax_constants(problem) -> tuple[float, float, float]:
-    """(scale_log2, softcap_exp2_scale, softcap). With softcap the kernels cap
-    softcap * tanh(s * scale / softcap) first (tanh through exp2 of s * softcap_exp2_scale), then
-    scale by log2(e)."""
-    softcap = problem.softcap
-    if softcap:
-        return LOG2E, 2 * LOG2E * problem.softmax_scale / softcap, softcap
-    return problem.softmax_scale * LOG2E, 0.0, 0.0
 
 
 def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import tma
 from . import CXX_TYPES, Family, Variant, rows_aligned
-from .fwd_sm80 import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
+from .forward import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this

@@ -1,0 +1,36 @@
+"""What the forward families (fwd_sm80, fwd_sm90) hand their kernels the same way: element size
+and head-dim granularity, output strides, the window bounds and the softmax constants."""
+from __future__ import annotations
+
+import math
+
+HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
+ELEMENT_BYTES = 2  # fp16 / bf16
+LOG2E = 1.0 / math.log(2.0)
+
+
+def output_strides(problem, inputs, out, lse):
+    """Strides of out (elements) and lse for the kernels' parameter structs, and the cu_seqlens
+    pointers: varlen tensors are (total, heads, dim) with no batch stride, sequences starting at
+    cu_seqlens."""
+    if problem.varlen:
+        return (0, *out.strides[:2]), (0, lse.strides[0]), inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
+    return out.strides[:3], lse.strides[:2], 0, 0
+
+
+def kernel_window(problem) -> tuple[int, int]:
+    """(left, right) as the kernels take them: a bound that reaches past every key of every row
+    (left >= seqlen_k, right >= seqlen_q; the maxima for varlen) is unbounded, -1. The same
+    semantics, and the kernels' int32 index arithmetic never sees values near 2^31."""
+    left, right = problem.window_left, problem.window_right
+    return (-1 if left >= problem.seqlen_k else left), (-1 if right >= problem.seqlen_q else right)
+
+
+def softmax_constants(problem) -> tuple[float, float, float]:
+    """(scale_log2, softcap_exp2_scale, softcap). With softcap the kernels cap
+    softcap * tanh(s * scale / softcap) first (tanh through exp2 of s * softcap_exp2_scale), then
+    scale by log2(e)."""
+    softcap = problem.softcap
+    if softcap:
+        return LOG2E, 2 * LOG2E * problem.softmax_scale / softcap, softcap
+    return problem.softmax_scale * LOG2E, 0.0, 0.0
