@@ -385,6 +385,71 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, windo
     return tuple(np.ascontiguousarray(x) for x in (dq, dk, dv))
 
 
+def _query_range(c0, c1, seqlen_q, seqlen_k, left, right):
+    """Queries ``[lo, hi)`` that may see any key in ``c0:c1`` (empty if lo >= hi): the mirror of
+    ``_key_range``; query i sees key j iff ``j - off - right <= i <= j - off + left``."""
+    off = seqlen_k - seqlen_q
+    lo = max(0, c0 - off - right) if right >= 0 else 0
+    hi = min(seqlen_q, c1 - 1 - off + left + 1) if left >= 0 else seqlen_q
+    return lo, hi
+
+
+def backward_tiled(dout, q, k, v, out, lse, *, block_m=64, block_n=64, causal=False, softmax_scale=None,
+                   window=(-1, -1), softcap=0.0, compute_dtype=np.float64):
+    """Blocked backward pass: the algorithm of the backward kernels (FlashAttention-2's).
+
+    ``D = rowsum(dout * out)`` first (``backward_preprocess``). Then for each kv head and each block
+    of ``block_n`` keys, with ``dK`` and ``dV`` for the block accumulated in place (the kernels keep
+    them in registers), visit every query head of the kv head's group and every block of
+    ``block_m`` queries that can see the key block (the query range follows from the mask bounds, as
+    the key range does in the forward), and per (query block, key block):
+
+    * recompute ``P = exp(score - lse)`` from q, k and the saved lse (0 where masked, and for rows
+      with ``lse = -inf``): the score matrix is never stored;
+    * ``dV += Pᵀ dO``;  ``dP = dO Vᵀ``;  ``dS = P ∘ (dP - D)``, times ``1 - tanh²`` with softcap;
+    * ``dK += scale · dSᵀ Q`` and ``dQ[block] += scale · dS K`` — the one accumulation that crosses
+      key blocks (atomics in float32, or a separate pass, in a kernel).
+
+    Summing over the group's query heads inside the loop is what makes dK/dV per kv head without
+    expanding K and V.
+    """
+    q, k, v, scale, dt = _prepare(q, k, v, softmax_scale, compute_dtype)
+    dout, lse = _cast(dout, dt), _cast(lse, dt)
+    left, right = window_bounds(causal, window)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads // nheads_kv
+    d = backward_preprocess(dout, out, dt)  # (B, H, Sq)
+    live = np.isfinite(lse)
+    lse_safe = np.where(live, lse, dt.type(0))
+    qh, doh = q.transpose(0, 2, 1, 3), dout.transpose(0, 2, 1, 3)  # (B, H, Sq, D)
+    kh, vh = _kv_heads(k), _kv_heads(v)  # (B, Hkv, Sk, D)
+    dq = np.zeros_like(qh)
+    dk, dv = np.zeros_like(kh), np.zeros_like(vh)
+
+    for c0 in range(0, seqlen_k, block_n):
+        c1 = min(c0 + block_n, seqlen_k)
+        lo, hi = _query_range(c0, c1, seqlen_q, seqlen_k, left, right)
+        for hkv in range(nheads_kv):
+            kb, vb = kh[:, hkv, c0:c1], vh[:, hkv, c0:c1]  # (B, bn, D)
+            for h in range(hkv * group, (hkv + 1) * group):
+                for r0 in range((lo // block_m) * block_m, hi, block_m):
+                    r1 = min(r0 + block_m, seqlen_q)
+                    qb, dob = qh[:, h, r0:r1], doh[:, h, r0:r1]  # (B, bm, D)
+                    x = qb @ kb.swapaxes(-1, -2) * scale  # (B, bm, bn)
+                    t = np.tanh(x / softcap) if softcap > 0 else None
+                    score = softcap * t if softcap > 0 else x
+                    visible = _block_mask(r0, r1, c0, c1, seqlen_q, seqlen_k, left, right) & live[:, h, r0:r1, None]
+                    p = np.where(visible, np.exp(np.where(visible, score - lse_safe[:, h, r0:r1, None], 0)), 0)
+                    dv[:, hkv, c0:c1] += p.swapaxes(-1, -2) @ dob
+                    ds = p * (dob @ vb.swapaxes(-1, -2) - d[:, h, r0:r1, None])
+                    if t is not None:
+                        ds = ds * (1 - t * t)
+                    dk[:, hkv, c0:c1] += scale * (ds.swapaxes(-1, -2) @ qb)
+                    dq[:, h, r0:r1] += scale * (ds @ kb)
+    return tuple(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (dq, dk, dv))
+
+
 # ---------------------------------------------------------------------------
 # Variable-length (packed) sequences
 # ---------------------------------------------------------------------------
