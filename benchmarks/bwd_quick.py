@@ -3,12 +3,17 @@ backward (FlashAttention-2) on one GPU, interleaved, median of CUDA-event timing
 counted as 2.5x the forward's. Not the full harness (benchmarks/bench_fwd.py has no backward rows
 yet): `python benchmarks/bwd_quick.py`."""
 import statistics
+import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash
+from cuflash.kernels import bwd_sm80
+
+if "--warps" in sys.argv:  # time the other warp count (4 or 8) instead of the table's
+    bwd_sm80.warps_override = int(sys.argv[sys.argv.index("--warps") + 1])
 
 for headdim in (64,):
     for causal in (False, True):

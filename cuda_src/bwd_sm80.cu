@@ -1,8 +1,8 @@
 // FlashAttention-2 backward for sm_80+: mma.sync m16n8k16, ldmatrix, cp.async.
 //
-// One CTA owns kBlockN keys of one (batch, kv head) and visits, for every query head of the kv
-// head's group, the blocks of kBlockM queries that see them (reference.backward_tiled is the same
-// algorithm in NumPy). Each of the 4 warps owns 16 of the keys, so everything is computed
+// One CTA owns kBlockN = 16 * kWarps keys of one (batch, kv head) and visits, for every query head
+// of the kv head's group, the blocks of kBlockM = 64 queries that see them (reference.backward_tiled
+// is the same algorithm in NumPy). Each warp owns 16 of the keys, so everything is computed
 // transposed, keys as rows:
 //   Sᵀ = K Qᵀ          K rows from shared memory (A), Q rows as the column-major B operand
 //   Pᵀ = exp(score - lse)   recomputed; masked elements and tails are 0
@@ -11,7 +11,8 @@
 //   dSᵀ = Pᵀ ∘ (dPᵀ - D)  (∘ (1 - tanh²) with softcap)
 //   dK += dSᵀ Q        dSᵀ as A, Q through ldmatrix.trans
 //   dQ += dS K         dSᵀ through shared memory (read transposed as A), K through ldmatrix.trans;
-//                      added to a float32 dQ buffer with atomics (other CTAs add their key blocks)
+//                      warps split the 64 queries (and, with 8 warps, the head dim) and add to a
+//                      float32 dQ buffer with atomics (other CTAs add their key blocks)
 // dK and dV stay in registers for the whole CTA and are written once, dK times the softmax scale.
 #include "common/masking.cuh"
 
@@ -42,9 +43,10 @@ struct BwdParams {
 };
 static_assert(sizeof(BwdParams) == 280, "BwdParams must match BWD_PARAMS in cuflash/kernels/bwd_sm80.py");
 
-template <typename T, int kHeadDim, bool kSoftcap>
-__global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdParams p) {
-  constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4, kThreads = 128;
+template <typename T, int kHeadDim, int kWarps, bool kSoftcap>
+__global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant__ BwdParams p) {
+  constexpr int kBlockM = 64, kBlockN = 16 * kWarps, kThreads = 32 * kWarps;
+  static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps of 16 keys");
   constexpr int kStride = kHeadDim + 8;  // padded shared-memory rows (conflict-free ldmatrix)
   constexpr int kDsStride = kBlockM + 8;
   constexpr int kChunks = kHeadDim / 8;
@@ -97,13 +99,16 @@ __global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdPa
 
   const int key_row0 = warp * 16;  // this warp's keys within the block
   // ldmatrix addresses (common/sm80.cuh): A operands K, V rows of this warp; B operands Q, dO rows.
+  // V and dO sit a constant distance after K and Q: one address each, the other by offset (fewer
+  // live registers next to the dK, dV accumulators).
+  constexpr unsigned kVOffset = kBlockN * kStride * 2, kDoOffset = kBlockM * kStride * 2;  // bytes
   const unsigned k_lds = smem_u32(sK + (key_row0 + lane % 16) * kStride + (lane / 16) * 8);
-  const unsigned v_lds = smem_u32(sV + (key_row0 + lane % 16) * kStride + (lane / 16) * 8);
+  const unsigned v_lds = k_lds + kVOffset;
   const unsigned q_ldsb = smem_u32(sQ + (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8);
-  const unsigned do_ldsb = smem_u32(sDo + (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8);
+  const unsigned do_ldsb = q_ldsb + kDoOffset;
   // .trans B operands over (queries x head dim): dO for dV, Q for dK.
-  const unsigned do_ldst = smem_u32(sDo + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8);
   const unsigned q_ldst = smem_u32(sQ + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8);
+  const unsigned do_ldst = q_ldst + kDoOffset;
   constexpr float kLog2e = 1.4426950408889634f;
 
   if (m_hi > m_lo) {
@@ -132,20 +137,22 @@ __global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdPa
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][e] = dp[mt][e] = 0.f;
+        // (one product after the other: interleaved, their fragments outgrow the registers)
+        auto product = [&](float (&acc)[kMTiles][4], unsigned a_lds, unsigned b_lds) {
 #pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-          unsigned ak[4], av[4];
-          ldmatrix_x4(ak, k_lds + ks * 32);
-          ldmatrix_x4(av, v_lds + ks * 32);
+          for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            unsigned a[4];
+            ldmatrix_x4(a, a_lds + ks * 32);
 #pragma unroll
-          for (int mt2 = 0; mt2 < kMTiles / 2; ++mt2) {
-            unsigned bq[4], bdo[4];
-            ldmatrix_x4(bq, q_ldsb + (mt2 * 16 * kStride + ks * 16) * 2);
-            ldmatrix_x4(bdo, do_ldsb + (mt2 * 16 * kStride + ks * 16) * 2);
-            mma_16816_x2<T>(s[2 * mt2], s[2 * mt2 + 1], ak, bq);
-            mma_16816_x2<T>(dp[2 * mt2], dp[2 * mt2 + 1], av, bdo);
+            for (int mt2 = 0; mt2 < kMTiles / 2; ++mt2) {
+              unsigned bf[4];
+              ldmatrix_x4(bf, b_lds + (mt2 * 16 * kStride + ks * 16) * 2);
+              mma_16816_x2<T>(acc[2 * mt2], acc[2 * mt2 + 1], a, bf);
+            }
           }
-        }
+        };
+        product(s, k_lds, q_ldsb);
+        product(dp, v_lds, do_ldsb);
 
         // Pᵀ and dSᵀ in place: element (key j, query i) of accumulator [mt][e] is
         // j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + 8 * mt + 2 * (lane % 4) + e % 2.
@@ -205,14 +212,18 @@ __global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdPa
           }
 
         __syncthreads();  // dSᵀ complete
-        // dQ (64 queries x head dim) += dS K: warp w takes queries 16w..16w+15; A = dS read
-        // transposed from dSᵀ, B = K through ldmatrix.trans, k16 steps over the 64 keys.
-        float acc_dq[kDTiles][4];
+        // dQ (64 queries x head dim) += dS K: warp w takes queries 16 (w % 4).. and, with 8 warps,
+        // half of the head dim; A = dS read transposed from dSᵀ, B = K through ldmatrix.trans,
+        // k16 steps over the block's keys.
+        constexpr int kDqTiles = kDTiles / (kWarps / 4);  // n8 tiles of dQ per warp
+        static_assert(kDqTiles % 2 == 0, "pairs of n8 tiles per ldmatrix");
+        float acc_dq[kDqTiles][4];
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
+        for (int dt = 0; dt < kDqTiles; ++dt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_dq[dt][e] = 0.f;
-        const int q_row0 = warp * 16;
+        const int q_row0 = (warp % 4) * 16;
+        const int dq_col0 = (warp / 4) * kDqTiles * 8;
 #pragma unroll
         for (int kt = 0; kt < kBlockN / 16; ++kt) {
           // A fragment of dS (queries q_row0.., keys 16kt..): from dSᵀ[key][query] with .trans.
@@ -220,10 +231,10 @@ __global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdPa
           ldmatrix_x4_trans(a, smem_u32(sDs + (16 * kt + lane % 8 + (lane / 16) * 8) * kDsStride + q_row0 +
                                         ((lane / 8) % 2) * 8));
 #pragma unroll
-          for (int dt2 = 0; dt2 < kDTiles / 2; ++dt2) {
+          for (int dt2 = 0; dt2 < kDqTiles / 2; ++dt2) {
             unsigned bk[4];
-            ldmatrix_x4_trans(bk, smem_u32(sK + (16 * kt + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dt2 * 16 +
-                                           (lane / 16) * 8));
+            ldmatrix_x4_trans(bk, smem_u32(sK + (16 * kt + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col0 +
+                                           dt2 * 16 + (lane / 16) * 8));
             mma_16816_x2<T>(acc_dq[2 * dt2], acc_dq[2 * dt2 + 1], a, bk);
           }
         }
@@ -231,9 +242,9 @@ __global__ void __launch_bounds__(128, 1) bwd_sm80(const __grid_constant__ BwdPa
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + q_row0 + lane / 4 + 8 * hf;
           if (i < seqlen_q) {
-            float* dq_row = dq_h + static_cast<long long>(i) * p.nheads * kHeadDim + 2 * (lane % 4);
+            float* dq_row = dq_h + static_cast<long long>(i) * p.nheads * kHeadDim + dq_col0 + 2 * (lane % 4);
 #pragma unroll
-            for (int dt = 0; dt < kDTiles; ++dt) {
+            for (int dt = 0; dt < kDqTiles; ++dt) {
               atomicAdd(dq_row + dt * 8, acc_dq[dt][2 * hf] * p.scale);
               atomicAdd(dq_row + dt * 8 + 1, acc_dq[dt][2 * hf + 1] * p.scale);
             }

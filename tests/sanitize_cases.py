@@ -29,8 +29,9 @@ for backend in BACKENDS:
     q, k = randn((140, 4, 64), "float16"), randn((140, 2, 64), "float16")
     out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True, backend=backend)
     print(backend, "varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
-# the backward (bwd_sm80): GQA, causal, a ragged tail, and a key block no query sees
-q, k = randn((2, 77, 4, 64), "bfloat16"), randn((2, 130, 2, 64), "bfloat16")
-out, lse = cuflash.attention(q, k, k, return_lse=True, window=(10, 0))
-dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, window=(10, 0))
-print("bwd_sm80 ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))
+# the backward (bwd_sm80, 4 and 8 warps): GQA, sliding window, ragged tails, key blocks no query sees
+for dtype, d in (("bfloat16", 64), ("float16", 32)):
+    q, k = randn((2, 77, 4, d), dtype), randn((2, 130, 2, d), dtype)
+    out, lse = cuflash.attention(q, k, k, return_lse=True, window=(10, 0))
+    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, window=(10, 0))
+    print("bwd_sm80", dtype, d, "ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))

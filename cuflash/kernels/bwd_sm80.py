@@ -16,8 +16,13 @@ from .forward import ELEMENT_BYTES, kernel_window, softmax_constants
 # spilling (the offline report checks it); larger ones are not served yet. Exact head dims only:
 # bwd_preprocess computes delta for its own list.
 HEADDIMS = (32, 64)
-BLOCK_M = BLOCK_N = 64
-THREADS = 128
+BLOCK_M = 64
+# Warps per CTA by head dim, 16 keys each (block_n = 16 * warps): 8 warps read each Q and dO tile
+# for twice the keys (+12-18% at head dim 64 on H100) but at head dim 64 spill on sm_80 (24 bytes),
+# so 64 keeps 4 for now. benchmarks/bwd_quick.py --warps overrides it to time the other choice.
+# Measurements: benchmarks/NOTES-bwd_sm80.md.
+WARPS = {32: 8, 64: 4}
+warps_override: int | None = None
 
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv")]
@@ -38,7 +43,8 @@ class BwdSm80Variant(Variant):
     template = "cuflash::bwd_sm80"
 
     dtype: str
-    headdim: int  # compiled (padded) head dim
+    headdim: int
+    warps: int  # 4 or 8, 16 keys each
     softcap: bool
 
     def check(self) -> None:
@@ -46,18 +52,25 @@ class BwdSm80Variant(Variant):
             raise ValueError(f"bwd_sm80: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"bwd_sm80: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.warps not in (4, 8):
+            raise ValueError(f"bwd_sm80: warps={self.warps} must be 4 or 8")
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.warps
 
     @property
     def threads(self) -> int:
-        return THREADS
+        return 32 * self.warps
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        # K, V, Q, dO tiles (padded rows), dSᵀ, then lse and delta of a query block
-        return (4 * 64 * (self.headdim + 8) + 64 * (BLOCK_M + 8)) * ELEMENT_BYTES + 2 * BLOCK_M * 4
+        # K and V (block_n rows), Q and dO (64 rows), padded; dSᵀ; lse and delta of a query block
+        rows = 2 * self.block_n + 2 * BLOCK_M
+        return (rows * (self.headdim + 8) + self.block_n * (BLOCK_M + 8)) * ELEMENT_BYTES + 2 * BLOCK_M * 4
 
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim), "true" if self.softcap else "false")
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.warps), "true" if self.softcap else "false")
 
 
 @dataclass(frozen=True)
@@ -77,7 +90,7 @@ class BwdSm80DqVariant(Variant):
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     return tuple(v for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
-                 for v in (BwdSm80Variant(dtype, hd, False), BwdSm80Variant(dtype, hd, True),
+                 for v in (BwdSm80Variant(dtype, hd, WARPS[hd], False), BwdSm80Variant(dtype, hd, WARPS[hd], True),
                            BwdSm80DqVariant(dtype, hd)))
 
 
@@ -91,7 +104,7 @@ def select(problem, inputs) -> BwdSm80Variant:
             raise ValueError(f"bwd_sm80 loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
                              f"strides that are multiples of 8 elements (got strides {inputs[name].strides})")
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
-    return BwdSm80Variant(problem.dtype, problem.headdim, problem.softcap > 0)
+    return BwdSm80Variant(problem.dtype, problem.headdim, warps_override or WARPS[problem.headdim], problem.softcap > 0)
 
 
 def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
@@ -126,9 +139,9 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
                  *dv.strides[:3], *lse.strides[:2], problem.seqlen_q, problem.seqlen_k, problem.nheads,
                  problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  problem.softmax_scale, scale_log2, softcap_exp2_scale, softcap)
-    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
+    grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
     with stream:
-        function(grid, (THREADS,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+        function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
     dq_variant = BwdSm80DqVariant(problem.dtype, variant.headdim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
     pairs = rows * (variant.headdim // 2)
