@@ -86,10 +86,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   load_tile(sV, v, p.v_stride_s, n0, kBlockN, seqlen_k);
   cp_async_commit();
 
-  // Query rows that see a key of this block: i + offset - left <= j <= i + offset + right.
-  const int n1 = min(n0 + kBlockN, seqlen_k);
-  const int m_lo = right >= 0 ? max(0, n0 - offset - right) : 0;
-  const int m_hi = left >= 0 ? min(seqlen_q, n1 - 1 - offset + left + 1) : seqlen_q;
+  int m_lo, m_hi;  // the query rows that see a key of this block
+  query_rows(n0, min(n0 + kBlockN, seqlen_k), seqlen_q, seqlen_k, left, right, m_lo, m_hi);
 
   float acc_dk[kDTiles][4], acc_dv[kDTiles][4];
 #pragma unroll

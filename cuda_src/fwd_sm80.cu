@@ -279,7 +279,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   const long long o_row0 = kVarlen ? cu_seqlens_q[b] : 0;
   T* o_base = out + (kVarlen ? o_row0 * o_stride_s : b * o_stride_b) + h * o_stride_h;
   float* lse_base = lse + (kVarlen ? o_row0 : b * lse_stride_b) + h * lse_stride_h;
-  constexpr float kLn2 = 0.6931471805599453f;
   // With no key block to visit, the Q load (spread over all warps) may still be landing in the
   // rows this warp is about to overwrite.
   if (n_max <= n_min) {
@@ -291,9 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float total = row_sum[mt][hf];
-      total += __shfl_xor_sync(0xffffffffu, total, 1);
-      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float total = quad_sum(row_sum[mt][hf]);
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int r = warp_row0 + mt * 16 + lane / 4 + hf * 8;
 #pragma unroll
@@ -302,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         *reinterpret_cast<unsigned*>(sQ + r * kStride + dt * 8 + (lane % 4) * 2) = packed;
       }
       if (lane % 4 == 0 && m0 + r < seqlen_q) {
-        lse_base[m0 + r] = total > 0.f ? (row_max[mt][hf] * scale_log2 + __log2f(total)) * kLn2 : -infinity();
+        lse_base[m0 + r] = row_lse(row_max[mt][hf], total, scale_log2);
       }
     }
   __syncwarp();

@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // in the tile hand-off. The other producer warps leave.
     if (tid >= 32) return;
     const bool leader = lane == 0;
-    int slot = 0;            // it % kStages, kept incrementally: the producer has 24 registers
+    int slot = 0;            // it % kStages, kept incrementally: the producer has few registers
     unsigned parity = 0;     // (it / kStages) & 1
     unsigned q_phase = 0;
     // Tile k's index goes to slot k % 2; the sync waits for the consumers to finish tile k - 1.
@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   setmaxnreg_inc<Split::kConsumer>();
   const int wg = warpgroup - 1;                      // which 64 rows of the tile
   const int row_in_wg = 16 * (tid % 128 / 32) + lane / 4;  // this thread's rows: row_in_wg and row_in_wg + 8
-  // Run-time constants are read from the parameter space where used (an operand of the
-  // instruction itself) rather than copied into registers, which the head-dim-256 tiles lack.
+  // The float constants (scale, softcap) are read from the parameter space where used (an operand
+  // of the instruction itself) rather than copied into registers, which the head-dim-256 tiles lack.
   const int window_left = p.window_left, window_right = p.window_right;
   // Descriptors: K-major Q and K (LBO unused, SBO = 8 rows of 128 bytes); V MN-major (LBO = one
   // atom of kBlockN rows, SBO = 8 tokens). A k16 step moves 32 bytes within an atom, or to the
@@ -281,8 +281,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned long long desc_k = smem_descriptor_sw128(sK, 16, 1024);
   const unsigned long long desc_v = smem_descriptor_sw128(sV, kBlockN * 128, 1024);
   auto qk_offset = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
-  // One arrival per warp, once every lane is done with the buffer (the reads of the tile index and
-  // of staged O are per lane; after a wgmma wait the warp is converged anyway).
+  // One arrival per warp, once every lane is done with the buffer (the reads of staged O are per
+  // lane; after a wgmma wait the warp is converged anyway).
   auto arrive = [&](unsigned bar) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bar);
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       arrive(q_empty);
       continue;
     }
-    if (t.kb.n_max <= t.kb.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded: only the index was read
+    if (t.kb.n_max <= t.kb.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded
     float o[kOAcc];
 #pragma unroll
     for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
@@ -445,12 +445,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     T* o_base = static_cast<T*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
     float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
     const unsigned stage = sO + e_wg * 64 * 128;
-    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float total = row_sum[hf];
-      total += __shfl_xor_sync(0xffffffffu, total, 1);
-      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float total = quad_sum(row_sum[hf]);
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int r = e_row + 8 * hf;
 #pragma unroll
@@ -460,7 +457,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
       const int row = te.m0 + e_wg * 64 + r;
       if (e_lane % 4 == 0 && row < te.seqlen_q) {
-        lse_base[row] = total > 0.f ? (row_max[hf] * p.scale_log2 + __log2f(total)) * kLn2 : -infinity();
+        lse_base[row] = row_lse(row_max[hf], total, p.scale_log2);
       }
     }
     named_barrier_sync(kEpilogueBarrier + e_wg, 128);

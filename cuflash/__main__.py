@@ -28,9 +28,11 @@ def _gpus() -> tuple[list[dict], str | None]:
         return [], f"no NVIDIA GPU is usable here ({type(e).__name__}: {e})"
     if count == 0:
         return [], "no NVIDIA GPU is visible"
+    from . import jit
+
     gpus = []
     for i in range(count):
-        props = cupy.cuda.runtime.getDeviceProperties(i)
+        props = jit.device_properties(i)
         gpus.append(dict(index=i, name=props["name"].decode(), compute_capability=(props["major"], props["minor"]),
                          multiprocessors=props["multiProcessorCount"], memory_gib=props["totalGlobalMem"] / 2**30))
     return gpus, None

@@ -5,7 +5,6 @@ given and what is expected. Nothing below this module re-validates user input.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -125,6 +124,26 @@ def _check_backend(backend: Any, op: str, device) -> str | None:
     return backend
 
 
+# The differentiable wrappers (cuflash.torch, cuflash.jax) carry the features through their ops as
+# plain scalars: (causal, softmax_scale, window_left, window_right, softcap), checked here once.
+def _feature_scalars(headdim: int, causal: Any, softmax_scale: Any, window: Any, softcap: Any) -> tuple:
+    f = _features(headdim, causal, softmax_scale, window, softcap)
+    return f["causal"], f["softmax_scale"], f["window_left"], f["window_right"], f["softcap"]
+
+
+def _feature_keywords(scalars: tuple) -> dict:
+    """`_feature_scalars` back as the keywords of `attention` and its relatives."""
+    causal, softmax_scale, window_left, window_right, softcap = scalars
+    return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
+
+
+def _check_static_max_seqlens(max_seqlen_q: Any, max_seqlen_k: Any) -> None:
+    """The wrappers take the varlen maxima as Python ints (an op schema's int; static under jax.jit)."""
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int; got {value!r}")
+
+
 def _check_return_lse(return_lse: Any) -> bool:
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
@@ -134,7 +153,7 @@ def _check_return_lse(return_lse: Any) -> bool:
 # ----------------------------------------------------------------------------- dense attention
 
 
-def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple) -> Problem:
+def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, backend: Any = None) -> Problem:
     """Checks shared by the dense forward and backward: q, k, v layout, GQA, dtype, strides."""
     q, k, v = infos["q"], infos["k"], infos["v"]
     for info in (q, k, v):
@@ -157,7 +176,7 @@ def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple) ->
     _check_dtype_supported(op, q)
     return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
-                   headdim=headdim, **_features(headdim, *features))
+                   headdim=headdim, **_features(headdim, *features), backend=_check_backend(backend, op, q.device))
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
@@ -180,8 +199,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     """
     return_lse = _check_return_lse(return_lse)
     infos = _describe_all(dict(q=q, k=k, v=v))
-    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
-    problem = dataclasses.replace(problem, backend=_check_backend(backend, problem.op, problem.device))
+    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap), backend)
     lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
     out, lse = dispatch.run(problem, dict(q=q, k=k, v=v),
                             dict(out=(infos["q"].shape, problem.dtype), lse=(lse_shape, "float32")))
@@ -265,7 +283,7 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
 
 
 def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any], max_seqlen_q, max_seqlen_k,
-                    features: tuple) -> Problem:
+                    features: tuple, backend: Any = None) -> Problem:
     q, k, v = infos["q"], infos["k"], infos["v"]
     for info in (q, k, v):
         _check_rank(info, 3, _VARLEN_LAYOUT)
@@ -291,7 +309,8 @@ def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any],
                          "they must have the same length")
     return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
                    seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), nheads=nheads, nheads_kv=nheads_kv,
-                   headdim=headdim, total_q=total_q, total_k=total_k, **_features(headdim, *features))
+                   headdim=headdim, total_q=total_q, total_k=total_k, **_features(headdim, *features),
+                   backend=_check_backend(backend, op, q.device))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -309,8 +328,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     infos = _describe_all(named)
     problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k,
-                              (causal, softmax_scale, window, softcap))
-    problem = dataclasses.replace(problem, backend=_check_backend(backend, problem.op, problem.device))
+                              (causal, softmax_scale, window, softcap), backend)
     out, lse = dispatch.run(problem, named, dict(out=(infos["q"].shape, problem.dtype),
                                                  lse=((problem.nheads, problem.total_q), "float32")))
     return (out, lse) if return_lse else out

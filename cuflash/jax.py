@@ -97,30 +97,20 @@ def call(problem: Problem, inputs: dict, outputs: dict[str, tuple]) -> tuple:
 # ----------------------------------------------------------------------------- differentiable
 
 
-def _features(q, causal, softmax_scale, window, softcap) -> tuple:
-    f = api._features(q.shape[-1], causal, softmax_scale, window, softcap)
-    return f["causal"], f["softmax_scale"], f["window_left"], f["window_right"], f["softcap"]
-
-
-def _keywords(features: tuple) -> dict:
-    causal, softmax_scale, window_left, window_right, softcap = features
-    return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, features):
-    return api.attention(q, k, v, return_lse=True, **_keywords(features))
+    return api.attention(q, k, v, return_lse=True, **api._feature_keywords(features))
 
 
 def _attention_fwd(q, k, v, features):
-    out, lse = api.attention(q, k, v, return_lse=True, **_keywords(features))
+    out, lse = _attention(q, k, v, features)
     return (out, lse), (q, k, v, out, lse)
 
 
 def _attention_bwd(features, residuals, cotangents):
     dout, _ = cotangents  # lse is returned without a gradient (stop_gradient in `attention`)
     # JAX may hand over the cotangent as a NumPy array (outside jit); api wants one framework
-    return api.attention_backward(jax.numpy.asarray(dout), *residuals, **_keywords(features))
+    return api.attention_backward(jax.numpy.asarray(dout), *residuals, **api._feature_keywords(features))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -132,27 +122,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays)."""
     return_lse = api._check_return_lse(return_lse)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
-    out, lse = _attention(q, k, v, _features(q, causal, softmax_scale, window, softcap))
+    out, lse = _attention(q, k, v, api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
-                                **_keywords(features))
+                                **api._feature_keywords(features))
 
 
 def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
-    out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    return_lse=True, **_keywords(features))
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features)
     return (out, lse), (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
 
 
 def _attention_varlen_bwd(max_seqlen_q, max_seqlen_k, features, residuals, cotangents):
     dout, _ = cotangents
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = residuals
-    dq, dk, dv = api.attention_varlen_backward(jax.numpy.asarray(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k, **_keywords(features))
+    dq, dk, dv = api.attention_varlen_backward(jax.numpy.asarray(dout), q, k, v, out, lse, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               **api._feature_keywords(features))
     no_tangent = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # integer inputs have none
     return dq, dk, dv, no_tangent(cu_seqlens_q), no_tangent(cu_seqlens_k)
 
@@ -165,10 +155,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """`cuflash.attention_varlen` for JAX arrays, differentiable in q, k and v. max_seqlen_q and
     max_seqlen_k must be Python ints (static under jax.jit)."""
     return_lse = api._check_return_lse(return_lse)
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int; got {value!r}")
+    api._check_static_max_seqlens(max_seqlen_q, max_seqlen_k)
     q, k, v, cu_seqlens_q, cu_seqlens_k = (jax.numpy.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 _features(q, causal, softmax_scale, window, softcap))
+                                 api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -70,10 +70,15 @@ def compile_options(arch: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- on a GPU (CuPy)
 
 @lru_cache(maxsize=None)
-def device_compute_capability(device_index: int) -> tuple[int, int]:
+def device_properties(device_index: int) -> dict:
+    """CUDA's device properties of GPU `device_index` (queried once per process)."""
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(device_index)
+    return cupy.cuda.runtime.getDeviceProperties(device_index)
+
+
+def device_compute_capability(device_index: int) -> tuple[int, int]:
+    props = device_properties(device_index)
     return int(props["major"]), int(props["minor"])
 
 

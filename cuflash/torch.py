@@ -10,20 +10,19 @@ FlashAttention's): gradients flow through out only.
 """
 from __future__ import annotations
 
-
 import torch
 
 from . import api
 
 # Features travel through the ops as plain scalars (the custom-op schema has no tuples or None):
-# causal, softmax_scale, window_left, window_right, softcap, already checked by api._features.
+# api._feature_scalars checks them once.
 
 
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
-                         softcap=softcap, return_lse=True)
+    features = (causal, softmax_scale, window_left, window_right, softcap)
+    return api.attention(q, k, v, return_lse=True, **api._feature_keywords(features))
 
 
 @_attention_fwd.register_fake
@@ -36,8 +35,8 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap):
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
                    softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                  window=(window_left, window_right), softcap=softcap)
+    features = (causal, softmax_scale, window_left, window_right, softcap)
+    return api.attention_backward(dout, q, k, v, out, lse, **api._feature_keywords(features))
 
 
 @_attention_bwd.register_fake
@@ -68,9 +67,9 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                           softmax_scale: float, window_left: int, window_right: int,
                           softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
-                                return_lse=True)
+    features = (causal, softmax_scale, window_left, window_right, softcap)
+    return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                **api._feature_keywords(features))
 
 
 @_attention_varlen_fwd.register_fake
@@ -85,9 +84,9 @@ def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                           max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    features = (causal, softmax_scale, window_left, window_right, softcap)
     return api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                         window=(window_left, window_right), softcap=softcap)
+                                         max_seqlen_k, **api._feature_keywords(features))
 
 
 @_attention_varlen_bwd.register_fake
@@ -117,8 +116,7 @@ def _features(q, causal, softmax_scale, window, softcap) -> tuple:
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor for cuflash.torch; got {type(q).__module__}.{type(q).__qualname__} "
                         "(cuflash.attention takes any framework's arrays)")
-    f = api._features(q.shape[-1], causal, softmax_scale, window, softcap)
-    return f["causal"], f["softmax_scale"], f["window_left"], f["window_right"], f["softcap"]
+    return api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
@@ -134,9 +132,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """`cuflash.attention_varlen` for torch tensors, differentiable in q, k and v. max_seqlen_q and
     max_seqlen_k must be Python ints (the op's schema; under torch.compile they are constants)."""
     return_lse = api._check_return_lse(return_lse)
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int; got {value!r}")
+    api._check_static_max_seqlens(max_seqlen_q, max_seqlen_k)
     out, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      *_features(q, causal, softmax_scale, window, softcap))
     return (out, lse) if return_lse else out

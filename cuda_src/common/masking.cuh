@@ -30,6 +30,15 @@ __device__ __forceinline__ KeyBlocks key_blocks(int m0, int rows, int seqlen_q, 
   return kb;
 }
 
+// The query rows that see some key of [n0, n1): lo <= row < hi (none when hi <= lo). The mirror of
+// key_blocks, for kernels that walk keys in the outer loop (the backward).
+__device__ __forceinline__ void query_rows(int n0, int n1, int seqlen_q, int seqlen_k, int left, int right, int& lo,
+                                           int& hi) {
+  const int offset = seqlen_k - seqlen_q;
+  lo = right >= 0 ? max(0, n0 - offset - right) : 0;
+  hi = left >= 0 ? min(seqlen_q, n1 - 1 - offset + left + 1) : seqlen_q;
+}
+
 // The keys row i sees, as columns relative to col0: lo <= column <= hi.
 __device__ __forceinline__ void visible_columns(int i, int col0, int seqlen_q, int seqlen_k, int left, int right,
                                                 int& lo, int& hi) {
@@ -71,6 +80,18 @@ __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_ma
   }
   row_sum = row_sum * correction + sum;
   return correction;
+}
+
+// The end of a row: the quad of threads holding it adds up its partial sums (quad_sum); the row's
+// LSE in natural log from its running maximum of unscaled scores, the log2-domain scale and that
+// total (-inf for a row that saw no key).
+__device__ __forceinline__ float quad_sum(float partial) {
+  partial += __shfl_xor_sync(0xffffffffu, partial, 1);
+  return partial + __shfl_xor_sync(0xffffffffu, partial, 2);
+}
+__device__ __forceinline__ float row_lse(float row_max, float total, float scale_log2) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  return total > 0.f ? (row_max * scale_log2 + __log2f(total)) * kLn2 : -infinity();
 }
 
 }  // namespace cuflash

@@ -63,6 +63,21 @@ def rows_aligned(array, itemsize: int) -> bool:
     return array.ptr % ROW_ALIGN_BYTES == 0 and all((s * itemsize) % ROW_ALIGN_BYTES == 0 for s in array.strides[:-1])
 
 
+def require_rows_aligned(family: str, inputs, names, itemsize: int) -> None:
+    """ValueError naming the first of `names` whose rows are not 16-byte aligned (rows_aligned)."""
+    for name in names:
+        array = inputs[name]
+        if not rows_aligned(array, itemsize):
+            raise ValueError(f"{family} loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
+                             f"strides that are multiples of {ROW_ALIGN_BYTES // itemsize} elements (got strides "
+                             f"{array.strides}); pass a contiguous copy")
+
+
+def cxx_bool(flag: bool) -> str:
+    """A template argument's spelling of a bool."""
+    return "true" if flag else "false"
+
+
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 

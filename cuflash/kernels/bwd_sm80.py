@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
+from .. import jit
+from ..arrays import DeviceArray
+from . import CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, cxx_bool, require_rows_aligned
 from .forward import ELEMENT_BYTES, kernel_window, softmax_constants
 
 # dK, dV and dQ accumulators share the registers with Sᵀ and dPᵀ: head dims up to 64 fit without
@@ -70,7 +72,7 @@ class BwdSm80Variant(Variant):
         return (rows * (self.headdim + 8) + self.block_n * (BLOCK_M + 8)) * ELEMENT_BYTES + 2 * BLOCK_M * 4
 
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.warps), "true" if self.softcap else "false")
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.warps), cxx_bool(self.softcap))
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,7 @@ def select(problem, inputs) -> BwdSm80Variant:
         raise ValueError("bwd_sm80 does not take varlen problems yet")
     if problem.headdim not in HEADDIMS:
         raise ValueError(f"bwd_sm80 takes head dims {HEADDIMS} for now; got {problem.headdim}")
-    for name in ("q", "k", "v", "dout"):
-        if not rows_aligned(inputs[name], ELEMENT_BYTES):
-            raise ValueError(f"bwd_sm80 loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
-                             f"strides that are multiples of 8 elements (got strides {inputs[name].strides})")
+    require_rows_aligned("bwd_sm80", inputs, ("q", "k", "v", "dout"), ELEMENT_BYTES)
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
     return BwdSm80Variant(problem.dtype, problem.headdim, warps_override or WARPS[problem.headdim], problem.softcap > 0)
 
@@ -110,15 +109,11 @@ def select(problem, inputs) -> BwdSm80Variant:
 def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
     import cupy
 
-    from .. import jit
-    from . import bwd_preprocess
-
     if problem.batch * problem.nheads * problem.seqlen_q * problem.seqlen_k == 0:
-        dk, dv = outputs["dk"], outputs["dv"]  # no key sees a query (or there are none): zero gradients
-        with stream:
-            for x in (outputs["dq"], dk, dv):
-                if math.prod(x.shape):
-                    cupy.cuda.runtime.memsetAsync(x.ptr, 0, _span_bytes(x), stream.ptr)
+        # no query sees a key (or there are none): zero gradients; the outputs are contiguous
+        for x in (outputs["dq"], outputs["dk"], outputs["dv"]):
+            if math.prod(x.shape):
+                cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * ELEMENT_BYTES, stream.ptr)
         return
     device = problem.device.index
     q, k, v, dout, out, lse = (inputs[n] for n in ("q", "k", "v", "dout", "out", "lse"))
@@ -126,8 +121,6 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
     with stream:
         delta = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
         dq_accum = cupy.zeros((problem.batch, problem.seqlen_q, problem.nheads, variant.headdim), np.float32)
-    from ..arrays import DeviceArray
-
     pre_variant = bwd_preprocess.select(problem, dict(out=out, dout=dout))
     bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, device), problem, dict(out=out, dout=dout),
                           dict(delta=DeviceArray(delta.data.ptr, delta.shape, tuple(s // 4 for s in delta.strides))),
@@ -149,11 +142,6 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
         jit.get_function(dq_variant, device)((math.ceil(pairs / 256),), (256,), (
             np.uint64(dq_accum.data.ptr), np.uint64(dq.ptr), np.int32(rows), np.int32(problem.nheads),
             np.int32(problem.seqlen_q), np.int32(problem.headdim), *(np.int64(s) for s in dq.strides[:3])))
-
-
-def _span_bytes(x) -> int:
-    """Bytes from x's first to last element + 1 (outputs are contiguous)."""
-    return math.prod(x.shape) * ELEMENT_BYTES
 
 
 FAMILY = Family(

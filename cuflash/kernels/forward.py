@@ -1,5 +1,5 @@
-"""What the forward families (fwd_sm80, fwd_sm90) hand their kernels the same way: element size
-and head-dim granularity, output strides, the window bounds and the softmax constants."""
+"""What the forward families (fwd_sm80, fwd_sm90) check and hand their kernels the same way: element
+size and head-dim granularity, output strides, the window bounds and the softmax constants."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,13 @@ import math
 HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
 ELEMENT_BYTES = 2  # fp16 / bf16
 LOG2E = 1.0 / math.log(2.0)
+
+
+def check_headdim(family: str, headdim: int, largest: int) -> None:
+    """The forward kernels pad a head dim up to a compiled one in whole 16-byte chunks."""
+    if headdim % HEADDIM_ALIGN or headdim > largest:
+        raise ValueError(f"{family} takes head dims that are multiples of {HEADDIM_ALIGN} up to {largest}; "
+                         f"got {headdim}")
 
 
 def output_strides(problem, inputs, out, lse):

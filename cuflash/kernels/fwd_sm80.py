@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
-from .forward import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
+from .. import jit
+from . import CXX_TYPES, Family, Variant, check_grid_yz, cxx_bool, require_rows_aligned
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
@@ -92,9 +92,8 @@ class FwdSm80Variant(Variant):
         return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages)
 
     def template_args(self) -> tuple[str, ...]:
-        flag = lambda b: "true" if b else "false"
         return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_m), str(self.block_n), str(self.warps),
-                str(self.stages), flag(self.varlen), flag(self.softcap))
+                str(self.stages), cxx_bool(self.varlen), cxx_bool(self.softcap))
 
 
 # Set by benchmarks/bench_fwd.py --tiles, before the first call, to time other rows of the table
@@ -122,26 +121,12 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm80Variant, .
                  for softcap in (False, True))
 
 
-@lru_cache(maxsize=None)
-def _smem_optin(device_index: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device_index)["sharedMemPerBlockOptin"])
-
-
 def select(problem, inputs) -> FwdSm80Variant:
-    if problem.headdim % HEADDIM_ALIGN or problem.headdim > HEADDIMS[-1]:
-        raise ValueError(f"fwd_sm80 takes head dims that are multiples of {HEADDIM_ALIGN} up to {HEADDIMS[-1]}; "
-                         f"got {problem.headdim}")
-    for name in ("q", "k", "v"):
-        array = inputs[name]
-        if not rows_aligned(array, ELEMENT_BYTES):
-            raise ValueError(f"fwd_sm80 loads 16-byte chunks: {name} must start on a 16-byte boundary and have "
-                             f"strides that are multiples of 8 elements (got strides {array.strides}); "
-                             "pass a contiguous copy")
+    check_headdim("fwd_sm80", problem.headdim, HEADDIMS[-1])
+    require_rows_aligned("fwd_sm80", inputs, ("q", "k", "v"), ELEMENT_BYTES)
     check_grid_yz("fwd_sm80", problem.nheads, problem.batch)
     headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
-    tiles = _tiles(headdim, problem.varlen, _smem_optin(problem.device.index))
+    tiles = _tiles(headdim, problem.varlen, int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"]))
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property
 
 import numpy as np
 
-from .. import tma
-from . import CXX_TYPES, Family, Variant, rows_aligned
-from .forward import ELEMENT_BYTES, HEADDIM_ALIGN, kernel_window, output_strides, softmax_constants
+from .. import jit, tma
+from . import CXX_TYPES, Family, Variant, cxx_bool, require_rows_aligned
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
@@ -107,19 +107,18 @@ class FwdSm90Variant(Variant):
     def threads(self) -> int:
         return 128 * (self.consumers + 1)  # and the producer warpgroup
 
-    @property
+    @cached_property  # read at every launch
     def o_in_q(self) -> bool:
         """O is staged in Q's tile when shared memory has no room for a tile of its own."""
         return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, o_in_q=False) > SMEM_LIMIT
 
-    @property
+    @cached_property
     def dynamic_shared_bytes(self) -> int:
         return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, self.o_in_q)
 
     def template_args(self) -> tuple[str, ...]:
-        flag = lambda b: "true" if b else "false"
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.consumers), str(self.block_n), str(self.stages), flag(self.pingpong),
-                flag(self.o_in_q), flag(self.varlen), flag(self.softcap))
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.consumers), str(self.block_n), str(self.stages),
+                cxx_bool(self.pingpong), cxx_bool(self.o_in_q), cxx_bool(self.varlen), cxx_bool(self.softcap))
 
 
 def _rows(headdim: int, softcap: bool):
@@ -143,17 +142,14 @@ def _token_strides(problem, array) -> tuple[int, ...]:
 
 
 def select(problem, inputs) -> FwdSm90Variant:
-    if problem.headdim % HEADDIM_ALIGN or problem.headdim > HEADDIMS[-1]:
-        raise ValueError(f"fwd_sm90 takes head dims that are multiples of {HEADDIM_ALIGN} up to {HEADDIMS[-1]}; "
-                         f"got {problem.headdim}")
+    check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     if problem.seqlen_q == 0 or problem.seqlen_k == 0 or (problem.varlen and not (problem.total_q and problem.total_k)):
         raise ValueError("fwd_sm90 loads through TMA descriptors, which cannot describe an empty q, k or v")
+    require_rows_aligned("fwd_sm90", inputs, ("q", "k", "v"), ELEMENT_BYTES)
     for name in ("q", "k", "v"):
-        array = inputs[name]
-        if not rows_aligned(array, ELEMENT_BYTES) or not tma.strides_encodable(
-                [s * ELEMENT_BYTES for s in _token_strides(problem, array)]):
-            raise ValueError(f"fwd_sm90 loads {name} with TMA, which needs a 16-byte-aligned start and positive "
-                             f"strides that are multiples of 8 elements; got strides {array.strides}")
+        if not tma.strides_encodable([s * ELEMENT_BYTES for s in _token_strides(problem, inputs[name])]):
+            raise ValueError(f"fwd_sm90 loads {name} with TMA, which needs positive strides below 2^40 bytes; "
+                             f"got strides {inputs[name].strides}")
     headdim = ATOM * math.ceil(problem.headdim / ATOM)
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
@@ -179,13 +175,6 @@ def _tensor_map(problem, array, nheads: int, rows: int) -> bytes:
 _counter_slots = itertools.cycle(range(TILE_COUNTERS))
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device_index)["multiProcessorCount"])
-
-
 def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
@@ -201,7 +190,8 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
                  out.ptr, lse.ptr, cu_q, cu_k, *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
                  problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  *softmax_constants(problem), problem.nheads, blocks_m, num_tiles, next(_counter_slots), 0)
-    grid = min(num_tiles, _sm_count(problem.device.index)) if persistent else num_tiles
+    sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
+    grid = min(num_tiles, sm_count) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
         function((grid,), (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
 
