@@ -1,4 +1,4 @@
-"""Forward attention benchmark: cuflash against its peers, interleaved on one GPU.
+"""Attention benchmark, forward or backward: cuflash against its peers, interleaved on one GPU.
 
 FlashAttention-3 sizing: batch * seqlen = 16k tokens, nheads * headdim = 2048. Peers in the same
 process, timed A B C A B C ... with CUDA events, median of many repetitions: torch SDPA's
@@ -8,7 +8,11 @@ records the SM clock, temperature and throttle reasons; a throttled row is marke
 
   python benchmarks/bench_fwd.py --out DIR            # torch peers + cuflash -> DIR/fwd_torch.json
   python benchmarks/bench_fwd.py --out DIR --jax      # JAX cuDNN -> DIR/fwd_jax.json
-  python benchmarks/report.py DIR                     # -> DIR/fwd.md
+  python benchmarks/bench_fwd.py --out DIR --backward # backward rows -> DIR/bwd_torch.json
+  python benchmarks/report.py DIR                     # -> DIR/fwd.md (and DIR/bwd.md)
+
+Backward rows time the backward alone (the forward's out and lse are inputs), FLOPs counted as
+2.5x the forward's (five GEMMs against two), against torch SDPA's backward of the same backend.
 """
 from __future__ import annotations
 
@@ -40,8 +44,11 @@ def gpu_state() -> dict:
                 throttled=bool(reasons & BAD_THROTTLE) or int(clock) < MIN_SM_CLOCK_MHZ)
 
 
-def flops(batch, seqlen, nheads, headdim, causal) -> float:
-    f = 4.0 * batch * nheads * seqlen * seqlen * headdim
+BACKWARD_FLOPS = 2.5  # per forward FLOP
+
+
+def flops(batch, seqlen, nheads, headdim, causal, backward=False) -> float:
+    f = 4.0 * batch * nheads * seqlen * seqlen * headdim * (BACKWARD_FLOPS if backward else 1.0)
     return f / 2 if causal else f
 
 
@@ -70,6 +77,12 @@ def tiles_used(args, impl: str, headdim: int) -> str | None:
     """The overridden tile row this implementation ran with, if any."""
     table = args.sm90_tiles if impl == "cuflash" else args.tiles if impl == "cuflash-sm80" else None
     return str(table.get(headdim)) if table else None
+
+
+def first_output(name: str, result, backward: bool):
+    """out, or dq for the backward, as (batch, seqlen, heads, dim) (torch SDPA's are transposed)."""
+    x = result[0] if backward else result
+    return x if name.startswith("cuflash") else x.transpose(1, 2)
 
 
 def run_torch(args) -> list[dict]:
@@ -101,20 +114,23 @@ def run_torch(args) -> list[dict]:
                     return sdpa(qt, kt, vt, is_causal=causal)
             return call
 
-        impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal),
-                 "cuflash-sm80": lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80"),
-                 "torch-flash": peer(SDPBackend.FLASH_ATTENTION),
-                 "torch-cudnn": peer(SDPBackend.CUDNN_ATTENTION)}
-        ref = impls["torch-flash"]().transpose(1, 2)
-        errors = {}
+        if args.backward:
+            impls = backward_impls(torch, cuflash, peer, SDPBackend, q, k, v, qt, kt, vt, causal, g)
+        else:
+            impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal),
+                     "cuflash-sm80": lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80"),
+                     "torch-flash": peer(SDPBackend.FLASH_ATTENTION),
+                     "torch-cudnn": peer(SDPBackend.CUDNN_ATTENTION)}
+        errors, ref = {}, None
         for name, call in list(impls.items()):
             try:
-                out = call()
-                out = out if name.startswith("cuflash") else out.transpose(1, 2)
-                errors[name] = (out.float() - ref.float()).abs().max().item()
+                out = first_output(name, call(), args.backward)
+                ref = out if ref is None else ref  # torch-flash's, or the first that ran
+                errors[name] = out
             except (RuntimeError, NotImplementedError) as e:  # a peer that cannot run this configuration
                 print(f"  {name} unavailable for {dtype_name} d={headdim} s={seqlen}: {str(e)[:120]}", flush=True)
                 del impls[name]
+        errors = {name: (out.float() - ref.float()).abs().max().item() for name, out in errors.items()}
         for _ in range(args.warmup):
             for call in impls.values():
                 call()
@@ -133,19 +149,41 @@ def run_torch(args) -> list[dict]:
         torch.cuda.synchronize()
         times = {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
         state = gpu_state()
-        f = flops(batch, seqlen, nheads, headdim, causal)
+        f = flops(batch, seqlen, nheads, headdim, causal, args.backward)
         for name, ts in times.items():
             ms = statistics.median(ts)
             spread = (statistics.quantiles(ts, n=10)[-1] - statistics.quantiles(ts, n=10)[0]) / ms
             rows.append(dict(impl=name, dtype=dtype_name, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch,
                              nheads=nheads, ms=ms, tflops=f / ms / 1e9, spread_p10_p90=spread,
                              tiles=tiles_used(args, name, headdim),
-                             max_abs_diff_vs_torch_flash=errors[name], **state))
+                             max_abs_diff_vs_torch_flash=errors[name], backward=args.backward, **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
         print(f"{dtype_name} d={headdim:3d} causal={int(causal)} s={seqlen:5d}: {line}  "
               f"[{state['sm_clock_mhz']} MHz {state['temperature_c']} C{' THROTTLED' if state['throttled'] else ''}]",
               flush=True)
     return rows
+
+
+def backward_impls(torch, cuflash, peer, SDPBackend, q, k, v, qt, kt, vt, causal, g) -> dict:
+    """The backward of each implementation, its forward done once up front (torch-flash first: the
+    reference of the error column)."""
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    impls = {}
+    for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        leaves = [x.detach().requires_grad_() for x in (qt, kt, vt)]
+        try:
+            with torch.nn.attention.sdpa_kernel(backend):
+                ot = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        except RuntimeError as e:
+            print(f"  {name} unavailable: {str(e)[:120]}", flush=True)
+            continue
+        impls[name] = (lambda ot=ot, leaves=leaves: torch.autograd.grad(ot, leaves, dout.transpose(1, 2),
+                                                                         retain_graph=True))
+    impls["cuflash"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    impls["cuflash-deterministic"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                        deterministic=True)
+    return impls
 
 
 def run_jax(args) -> list[dict]:
@@ -202,6 +240,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jax", action="store_true", help="run the JAX cuDNN peer (its own process)")
+    parser.add_argument("--backward", action="store_true", help="time the backward pass (torch peers)")
     parser.add_argument("--dtypes", default="bfloat16", type=lambda s: s.split(","))
     parser.add_argument("--headdims", default="64,128,256", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384",
@@ -222,7 +261,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = run_jax(args) if args.jax else run_torch(args)
-    name = "fwd_jax.json" if args.jax else "fwd_torch.json"
+    name = "fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward else "fwd_torch.json"
     meta = dict(date=time.strftime("%Y-%m-%d"), versions=versions(), tokens=TOKENS, hidden=HIDDEN,
                 reps=args.reps, command=" ".join(sys.argv))
     (args.out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

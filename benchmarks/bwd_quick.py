@@ -1,7 +1,8 @@
-"""A first look at the backward's speed: cuflash.attention_backward against torch SDPA's flash
-backward (FlashAttention-2) on one GPU, interleaved, median of CUDA-event timings; backward FLOPs
-counted as 2.5x the forward's. Not the full harness (benchmarks/bench_fwd.py has no backward rows
-yet): `python benchmarks/bwd_quick.py`."""
+"""A quick backward tile sweep: cuflash.attention_backward (with --tiles, other rows than the
+table's) against torch SDPA's flash backward (FlashAttention-2), interleaved, median of CUDA-event
+timings, backward FLOPs counted as 2.5x the forward's. No clocks recorded: the numbers to report
+come from the harness, `benchmarks/bench_fwd.py --backward`.
+`python benchmarks/bwd_quick.py [--tiles 128:64:64:8:1,...]`."""
 import statistics
 import sys
 
@@ -12,10 +13,11 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 import cuflash
 from cuflash.kernels import bwd_sm80
 
-if "--warps" in sys.argv:  # time the other warp count (4 or 8) instead of the table's
-    bwd_sm80.warps_override = int(sys.argv[sys.argv.index("--warps") + 1])
+if "--tiles" in sys.argv:  # time other tiles than the table's: --tiles hd:block_m:block_n:warps:stages,...
+    bwd_sm80.tiles_override = {int(hd): tuple(tiles) for hd, *tiles in (
+        map(int, item.split(":")) for item in sys.argv[sys.argv.index("--tiles") + 1].split(","))}
 
-for headdim in (64,):
+for headdim in (64, 128):
     for causal in (False, True):
         for seqlen in (1024, 4096):
             batch, nheads = 16384 // seqlen, 2048 // headdim

@@ -5,7 +5,8 @@
 // A group of kLanesPerRow lanes (a power of two dividing 32) owns one row: each lane reads kVec
 // consecutive elements at a time, the group reduces with shuffles, lane 0 writes. The grid is
 // (row blocks, nheads, batch), so no index needs a division; consecutive rows of a block are
-// consecutive i, so the delta stores are coalesced.
+// consecutive i, so the delta stores are coalesced. A head dim below kHeadDim (the compiled one,
+// a multiple of 32) reads only its own columns.
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -13,7 +14,7 @@ namespace cuflash {
 template <typename T, int kHeadDim, int kVec, int kLanesPerRow, int kThreads>
 __global__ void __launch_bounds__(kThreads) bwd_preprocess(
     const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
-    int seqlen, int nheads,
+    int seqlen, int nheads, int headdim,
     long long out_stride_b, long long out_stride_s, long long out_stride_h,
     long long dout_stride_b, long long dout_stride_s, long long dout_stride_h) {
   static_assert(kHeadDim % kVec == 0, "head dim must be a multiple of the vector width");
@@ -36,6 +37,7 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess(
     const T* g = dout + b * dout_stride_b + i * dout_stride_s + h * dout_stride_h;
 #pragma unroll
     for (int c = lane; c < kVectorsPerRow; c += kLanesPerRow) {
+      if (c * kVec >= headdim) break;
       float fo[kVec], fg[kVec];
       load_as_float<kVec>(o + c * kVec, fo);
       load_as_float<kVec>(g + c * kVec, fg);

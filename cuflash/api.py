@@ -5,6 +5,7 @@ given and what is expected. Nothing below this module re-validates user input.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -144,10 +145,10 @@ def _check_static_max_seqlens(max_seqlen_q: Any, max_seqlen_k: Any) -> None:
             raise TypeError(f"{name} must be an int; got {value!r}")
 
 
-def _check_return_lse(return_lse: Any) -> bool:
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
-    return bool(return_lse)
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
 
 
 # ----------------------------------------------------------------------------- dense attention
@@ -197,7 +198,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     backend=None picks the fastest kernel family that serves the call; "sm90" or "sm80" forces one
     (NotImplementedError saying why, if it can't).
     """
-    return_lse = _check_return_lse(return_lse)
+    return_lse = _check_flag("return_lse", return_lse)
     infos = _describe_all(dict(q=q, k=k, v=v))
     problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap), backend)
     lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
@@ -206,15 +207,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                       deterministic=False, backend=None):
     """Gradients (dq, dk, dv) of `attention` for the upstream gradient `dout`.
 
     out and lse are what the forward returned (lse float32 (batch, nheads, seqlen_q)); the keywords
     must be the forward's. dk and dv are summed over the query heads that share a kv head.
+    deterministic=True gives bit-identical gradients from run to run: the GPU kernel adds the key
+    blocks' parts of dq in a fixed order instead of as they finish, which costs some speed
+    (benchmarks/NOTES-bwd_sm80.md). backend: as for `attention`.
     """
+    deterministic = _check_flag("deterministic", deterministic)
     infos = _describe_all(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
     problem = _attention_problem("attention_backward", {n: infos[n] for n in ("q", "k", "v")},
-                                 (causal, softmax_scale, window, softcap))
+                                 (causal, softmax_scale, window, softcap), backend)
+    problem = dataclasses.replace(problem, deterministic=deterministic)
     for name in ("dout", "out"):
         _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
         _check_unit_last_stride(infos[name])
@@ -324,7 +331,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     arrays a synchronisation); under jax.jit they are unknown and only their shape is checked.
     backend: as for `attention`.
     """
-    return_lse = _check_return_lse(return_lse)
+    return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     infos = _describe_all(named)
     problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k,
@@ -335,12 +342,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
-    """Gradients (dq, dk, dv) of `attention_varlen`; lse is float32 (nheads, total_q)."""
+                              causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, deterministic=False,
+                              backend=None):
+    """Gradients (dq, dk, dv) of `attention_varlen`; lse is float32 (nheads, total_q).
+    deterministic and backend: as for `attention_backward`."""
+    deterministic = _check_flag("deterministic", deterministic)
     named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     infos = _describe_all(named)
     problem = _varlen_problem("attention_varlen_backward", infos, named, max_seqlen_q, max_seqlen_k,
-                              (causal, softmax_scale, window, softcap))
+                              (causal, softmax_scale, window, softcap), backend)
+    problem = dataclasses.replace(problem, deterministic=deterministic)
     for name in ("dout", "out"):
         _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
         _check_unit_last_stride(infos[name])

@@ -26,21 +26,24 @@ def supported_dtypes(op: str, device: arrays.Device) -> frozenset:
 
 
 def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> tuple:
-    """Allocate the outputs (name -> (shape, dtype)) in the caller's framework, run, return them."""
-    if problem.framework == "jax":
+    """Allocate the outputs (name -> (shape, dtype)), and the kernels' workspace on a GPU, in the
+    caller's framework; run; return the outputs."""
+    if problem.framework == "jax":  # the device is XLA's choice, known only inside the callback
         from . import jax as cuflash_jax
 
-        return cuflash_jax.call(problem, inputs, outputs)
+        return cuflash_jax.call(problem, inputs, {**outputs, **kernels.workspace(problem)})[:len(outputs)]
+    buffers = {**outputs, **(kernels.workspace(problem) if problem.device.is_cuda else {})}
     allocated = {name: arrays.empty(problem.framework, problem.device, shape, dtype)
-                 for name, (shape, dtype) in outputs.items()}
+                 for name, (shape, dtype) in buffers.items()}
     stream = arrays.current_stream(problem.framework, problem.device) if problem.device.is_cuda else None
     execute(problem, inputs, allocated, stream)
-    return tuple(allocated.values())
+    return tuple(allocated[name] for name in outputs)
 
 
 def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], stream: int | None) -> None:
     """Fill `outputs` in place: host arrays on the reference, device arrays with a kernel launched
-    on `stream` (a CUDA stream handle)."""
+    on `stream` (a CUDA stream handle). On a GPU `outputs` also holds the workspace
+    (kernels.workspace)."""
     if not problem.device.is_cuda:
         _run_reference(problem, {n: arrays.host_view(x) for n, x in inputs.items()},
                        {n: arrays.host_view(x) for n, x in outputs.items()})

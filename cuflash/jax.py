@@ -97,52 +97,58 @@ def call(problem: Problem, inputs: dict, outputs: dict[str, tuple]) -> tuple:
 # ----------------------------------------------------------------------------- differentiable
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, features):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, features, deterministic):
     return api.attention(q, k, v, return_lse=True, **api._feature_keywords(features))
 
 
-def _attention_fwd(q, k, v, features):
-    out, lse = _attention(q, k, v, features)
+def _attention_fwd(q, k, v, features, deterministic):
+    out, lse = _attention(q, k, v, features, deterministic)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd(features, residuals, cotangents):
+def _attention_bwd(features, deterministic, residuals, cotangents):
     dout, _ = cotangents  # lse is returned without a gradient (stop_gradient in `attention`)
     # JAX may hand over the cotangent as a NumPy array (outside jit); api wants one framework
-    return api.attention_backward(jax.numpy.asarray(dout), *residuals, **api._feature_keywords(features))
+    return api.attention_backward(jax.numpy.asarray(dout), *residuals, **api._feature_keywords(features),
+                                  deterministic=deterministic)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+              deterministic=False):
     """`cuflash.attention` for JAX arrays, differentiable in q, k and v (jax.grad, jax.jit, jax.vmap;
     see `cuflash.attention` for the semantics). Returns out, or (out, lse) with return_lse=True;
-    lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays)."""
-    return_lse = api._check_return_lse(return_lse)
+    lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays).
+    deterministic=True makes the gradient bit-identical from run to run (`attention_backward`)."""
+    return_lse = api._check_flag("return_lse", return_lse)
+    deterministic = api._check_flag("deterministic", deterministic)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
-    out, lse = _attention(q, k, v, api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap))
+    out, lse = _attention(q, k, v, api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap),
+                          deterministic)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features, deterministic):
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
                                 **api._feature_keywords(features))
 
 
-def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features):
-    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features)
+def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features, deterministic):
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, features,
+                                 deterministic)
     return (out, lse), (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
 
 
-def _attention_varlen_bwd(max_seqlen_q, max_seqlen_k, features, residuals, cotangents):
+def _attention_varlen_bwd(max_seqlen_q, max_seqlen_k, features, deterministic, residuals, cotangents):
     dout, _ = cotangents
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = residuals
     dq, dk, dv = api.attention_varlen_backward(jax.numpy.asarray(dout), q, k, v, out, lse, cu_seqlens_q,
                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               **api._feature_keywords(features))
+                                               **api._feature_keywords(features), deterministic=deterministic)
     no_tangent = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # integer inputs have none
     return dq, dk, dv, no_tangent(cu_seqlens_q), no_tangent(cu_seqlens_k)
 
@@ -151,12 +157,14 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=False):
     """`cuflash.attention_varlen` for JAX arrays, differentiable in q, k and v. max_seqlen_q and
-    max_seqlen_k must be Python ints (static under jax.jit)."""
-    return_lse = api._check_return_lse(return_lse)
+    max_seqlen_k must be Python ints (static under jax.jit). deterministic: as for `attention`."""
+    return_lse = api._check_flag("return_lse", return_lse)
+    deterministic = api._check_flag("deterministic", deterministic)
     api._check_static_max_seqlens(max_seqlen_q, max_seqlen_k)
     q, k, v, cu_seqlens_q, cu_seqlens_k = (jax.numpy.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap))
+                                 api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap),
+                                 deterministic)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

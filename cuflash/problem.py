@@ -44,6 +44,7 @@ class Problem:
     total_q: int = 0
     total_k: int = 0
     backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
+    deterministic: bool = False  # backward ops: bit-identical gradients from run to run
 
     def __post_init__(self):
         assert self.op in OPS, self.op

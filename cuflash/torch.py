@@ -15,18 +15,20 @@ import torch
 from . import api
 
 # Features travel through the ops as plain scalars (the custom-op schema has no tuples or None):
-# api._feature_scalars checks them once.
+# api._feature_scalars checks them once. The forward ops take `deterministic` too, unused there,
+# so that their autograd rule can hand it to the backward op.
 
 
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                   window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_left: int, window_right: int, softcap: float,
+                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
     return api.attention(q, k, v, return_lse=True, **api._feature_keywords(features))
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap):
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
@@ -34,13 +36,14 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap):
 @torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
-    return api.attention_backward(dout, q, k, v, out, lse, **api._feature_keywords(features))
+    return api.attention_backward(dout, q, k, v, out, lse, **api._feature_keywords(features),
+                                  deterministic=deterministic)
 
 
 @_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap):
+def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -48,7 +51,7 @@ def _save_dense(ctx, inputs, output):
     q, k, v, *features = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.features = features
+    ctx.features = features  # and deterministic, last
     ctx.mark_non_differentiable(lse)
 
 
@@ -66,7 +69,7 @@ _attention_fwd.register_autograd(_grad_dense, setup_context=_save_dense)
 def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                           softmax_scale: float, window_left: int, window_right: int,
-                          softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
                                 **api._feature_keywords(features))
@@ -74,7 +77,7 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 
 @_attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-      window_right, softcap):
+      window_right, softcap, deterministic):
     total_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -83,15 +86,15 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                           max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                          softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
     return api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, **api._feature_keywords(features))
+                                         max_seqlen_k, **api._feature_keywords(features), deterministic=deterministic)
 
 
 @_attention_varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap):
+      window_left, window_right, softcap, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -99,7 +102,7 @@ def _save_varlen(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.scalars = scalars  # max_seqlen_q, max_seqlen_k and the features
+    ctx.scalars = scalars  # max_seqlen_q, max_seqlen_k, the features and deterministic
     ctx.mark_non_differentiable(lse)
 
 
@@ -119,22 +122,27 @@ def _features(q, causal, softmax_scale, window, softcap) -> tuple:
     return api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+              deterministic=False):
     """`cuflash.attention` for torch tensors, differentiable in q, k and v (see its docstring for the
-    semantics). Returns out, or (out, lse) with return_lse=True; lse is not differentiable."""
-    return_lse = api._check_return_lse(return_lse)
-    out, lse = _attention_fwd(q, k, v, *_features(q, causal, softmax_scale, window, softcap))
+    semantics). Returns out, or (out, lse) with return_lse=True; lse is not differentiable.
+    deterministic=True makes the backward bit-identical from run to run (`attention_backward`)."""
+    return_lse = api._check_flag("return_lse", return_lse)
+    deterministic = api._check_flag("deterministic", deterministic)
+    out, lse = _attention_fwd(q, k, v, *_features(q, causal, softmax_scale, window, softcap), deterministic)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=False):
     """`cuflash.attention_varlen` for torch tensors, differentiable in q, k and v. max_seqlen_q and
-    max_seqlen_k must be Python ints (the op's schema; under torch.compile they are constants)."""
-    return_lse = api._check_return_lse(return_lse)
+    max_seqlen_k must be Python ints (the op's schema; under torch.compile they are constants).
+    deterministic: as for `attention`."""
+    return_lse = api._check_flag("return_lse", return_lse)
+    deterministic = api._check_flag("deterministic", deterministic)
     api._check_static_max_seqlens(max_seqlen_q, max_seqlen_k)
     out, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     *_features(q, causal, softmax_scale, window, softcap))
+                                     *_features(q, causal, softmax_scale, window, softcap), deterministic)
     return (out, lse) if return_lse else out
 
 

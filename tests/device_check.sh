@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: clocks, info, build, the GPU test suite, compute-sanitizer, and with
-# BENCH=1 the forward benchmark against the peers (BENCH_ARGS passes its options).
+# BENCH=1 the forward benchmark against the peers (BENCH_ARGS passes its options), with BENCH_BWD=1 the
+# backward's (BENCH_BWD_ARGS).
 # Usage there (from the repo root): bash tests/device_check.sh  — logs go to $OUT (or ./device-logs).
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -20,6 +21,11 @@ step synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python test
 if [ -n "${BENCH:-}" ]; then
   step bench python benchmarks/bench_fwd.py --out "$OUT" ${BENCH_ARGS:-}
   step bench_jax python benchmarks/bench_fwd.py --out "$OUT" --jax ${BENCH_ARGS:-}
+fi
+if [ -n "${BENCH_BWD:-}" ]; then
+  step bench_bwd python benchmarks/bench_fwd.py --out "$OUT" --backward ${BENCH_BWD_ARGS:-}
+fi
+if [ -n "${BENCH:-}${BENCH_BWD:-}" ]; then
   step report python benchmarks/report.py "$OUT"
 fi
 smi | tee -a "$OUT/smi.log"

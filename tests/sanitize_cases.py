@@ -29,9 +29,21 @@ for backend in BACKENDS:
     q, k = randn((140, 4, 64), "float16"), randn((140, 2, 64), "float16")
     out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True, backend=backend)
     print(backend, "varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
-# the backward (bwd_sm80, 4 and 8 warps): GQA, sliding window, ragged tails, key blocks no query sees
-for dtype, d in (("bfloat16", 64), ("float16", 32)):
+# the backward (bwd_sm80), each tile shape of its table: Pᵀ in registers (32, 64) or through shared
+# memory (96-256), 32-query blocks (224); GQA, sliding window, softcap, ragged tails, key blocks no
+# query sees, a padded head dim; deterministic (ordered dQ) and varlen with an empty sequence
+for dtype, d, kw in (("bfloat16", 64, dict(window=(10, 0))), ("float16", 32, dict(window=(10, 0))),
+                     ("bfloat16", 128, dict(causal=True, deterministic=True)), ("float16", 80, dict(softcap=4.0)),
+                     ("bfloat16", 224, dict(window=(30, 5))), ("float16", 256, dict(deterministic=True))):
+    fwd_kw = {n: x for n, x in kw.items() if n != "deterministic"}
     q, k = randn((2, 77, 4, d), dtype), randn((2, 130, 2, d), dtype)
-    out, lse = cuflash.attention(q, k, k, return_lse=True, window=(10, 0))
-    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, window=(10, 0))
-    print("bwd_sm80", dtype, d, "ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))
+    out, lse = cuflash.attention(q, k, k, return_lse=True, **fwd_kw)
+    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, **kw)
+    print("bwd_sm80", dtype, d, kw, "ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))
+cu_q, cu_k = cp.asarray(np.array([0, 70, 70, 173], np.int32)), cp.asarray(np.array([0, 5, 90, 190], np.int32))
+for deterministic in (False, True):
+    q, k = randn((173, 4, 128), "bfloat16"), randn((190, 2, 128), "bfloat16")
+    out, lse = cuflash.attention_varlen(q, k, k, cu_q, cu_k, 103, 100, causal=True, return_lse=True)
+    dq, dk, dv = cuflash.attention_varlen_backward(out, q, k, k, out, lse, cu_q, cu_k, 103, 100, causal=True,
+                                                   deterministic=deterministic)
+    print("bwd_sm80 varlen deterministic", deterministic, "ran; max |dq| =", float(cp.abs(dq.astype(cp.float32)).max()))

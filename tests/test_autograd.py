@@ -6,7 +6,10 @@ import pytest
 
 from cuflash import reference
 
-FEATURES = [dict(), dict(causal=True), dict(window=(3, 1), softcap=2.0), dict(causal=True, window=(2, -1), softmax_scale=0.4)]
+# deterministic only reaches the backward op (the reference is deterministic anyway): it must pass
+# through the custom ops' schemas and autograd rules
+FEATURES = [dict(), dict(causal=True, deterministic=True), dict(window=(3, 1), softcap=2.0),
+            dict(causal=True, window=(2, -1), softmax_scale=0.4)]
 
 
 def _rand(rng, *shape):
@@ -34,7 +37,7 @@ def test_torch_gradcheck_varlen():
     cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 6, 9], dtype=torch.int32)
     q, k, v = (torch.tensor(_rand(rng, *s), requires_grad=True) for s in ((8, 4, 8), (9, 2, 8), (9, 2, 8)))
     assert torch.autograd.gradcheck(
-        lambda q, k, v: ct.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True), (q, k, v))
+        lambda q, k, v: ct.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True, deterministic=True), (q, k, v))
 
 
 def test_torch_compile_has_no_graph_break_and_lse_is_not_differentiable():
@@ -103,7 +106,7 @@ def test_jax_check_grads_varlen_and_jit(x64):
     rng = np.random.default_rng(5)
     cu_q, cu_k = np.array([0, 3, 3, 8], np.int32), np.array([0, 4, 6, 9], np.int32)
     args = tuple(jax.numpy.asarray(_rand(rng, *s)) for s in ((8, 4, 8), (9, 2, 8), (9, 2, 8)))
-    f = lambda q, k, v: cj.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True)
+    f = lambda q, k, v: cj.attention_varlen(q, k, v, cu_q, cu_k, 5, 4, causal=True, deterministic=True)
     check_grads(f, args, order=1, modes=["rev"])
     eager = jax.grad(lambda q: f(q, *args[1:]).sum())(args[0])
     jitted = jax.jit(jax.grad(lambda q: f(q, *args[1:]).sum()))(args[0])

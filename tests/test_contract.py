@@ -302,12 +302,19 @@ def _feature_cases():
         bad(QKV_OPS, label, exc, match, kw=kw)
     for label, value in (("1", 1), ("None", None), ("str", "True"), ("array", np.array(True))):
         bad(FORWARDS, f"return_lse-{label}", TypeError, rf"^return_lse must be a bool; got", kw=dict(return_lse=value))
+    for label, value in (("1", 1), ("None", None), ("str", "True"), ("array", np.array(True))):
+        bad(BACKWARDS, f"deterministic-{label}", TypeError, rf"^deterministic must be a bool; got",
+            kw=dict(deterministic=value))
     for label, value in (("unknown", "sm70"), ("family-name", "fwd_sm90"), ("int", 90), ("upper", "SM90")):
         bad(FORWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80', 'sm90'\]",
+            kw=dict(backend=value))
+        bad(BACKWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80'\]",
             kw=dict(backend=value))
     # On CPU arrays a kernel backend cannot run: nothing is copied to a GPU behind the caller's back.
     bad(FORWARDS, "backend-on-cpu", ValueError, r"^backend='sm90' names a GPU kernel family, but the arrays are on cpu",
         kw=dict(backend="sm90"))
+    bad(BACKWARDS, "backend-on-cpu", ValueError, r"^backend='sm80' names a GPU kernel family, but the arrays are on cpu",
+        kw=dict(backend="sm80"))
 
 
 def _backward_cases():
@@ -691,6 +698,18 @@ def test_half_precision_numpy(dtype):
     vgrads = cuflash.attention_varlen_backward(vdout, vq, vk, vv, vout, vlse, cu_q, cu_k, MAXQ, MAXK)
     for g, x in zip(vgrads, (vq, vk, vv)):
         assert g.dtype == dt and g.shape == x.shape
+
+
+@pytest.mark.parametrize("op", BACKWARDS)
+def test_deterministic_flag_is_accepted(op):
+    """On the reference every backward is deterministic: the flag changes nothing there."""
+    fn, names = OPS[op]
+    a = base_args(op)
+    args = [a[n] for n in names]
+    plain = fn(*args)
+    for flag in (True, np.bool_(True), False):
+        for got, want in zip(fn(*args, deterministic=flag), plain):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("op", FORWARDS)

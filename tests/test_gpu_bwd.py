@@ -1,19 +1,26 @@
 """bwd_sm80 on the GPU: gradients against the float32 reference from the same fp16/bf16 inputs, by
 FlashAttention's criterion (each of dq, dk, dv: max abs error at most 2x that of a plain
-low-precision implementation, plus 1e-4); NaN never passes; outputs poisoned before the call."""
+low-precision implementation, plus 1e-4); NaN never passes; outputs poisoned before the call.
+Dense and varlen, every compiled head dim and padded ones between, deterministic mode bit-identical."""
+import dataclasses
 import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
 from cuflash import arrays, dispatch, reference
+from cuflash import kernels
+from cuflash.kernels import bwd_sm80
 from cuflash.problem import Problem
 
 pytestmark = pytest.mark.gpu
 gpu_attention = pytest.importorskip("gpu_attention_reference")
+
+# compiled head dims, and multiples of 8 between them that run padded
+HEADDIMS = [32, 64, 96, 128, 160, 192, 224, 256, 40, 80, 136, 200]
 
 
 def _grads(q, k, v, dout, compute_dtype, kw):
@@ -23,48 +30,198 @@ def _grads(q, k, v, dout, compute_dtype, kw):
     return [x.grad.float() for x in leaves]
 
 
-@settings(max_examples=120)
-@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=st.sampled_from([32, 64]),
+def _check(got: dict, ref, low, dtype):
+    for name, g, want, plain in zip(("dq", "dk", "dv"), (got[n] for n in ("dq", "dk", "dv")), ref, low):
+        assert not torch.isnan(g).any(), f"NaN (or an unwritten, poisoned element) in {name}"
+        if not g.numel():
+            continue
+        err = (g.float() - want).abs().max().item()
+        plain_err = (plain - want).abs().max().item()
+        assert err <= 2 * plain_err + 1e-4, f"{name}: max error {err:.3g} vs plain {dtype} {plain_err:.3g}"
+
+
+def _poisoned(problem, dtype, **shapes):
+    """The gradients and the kernels' workspace, every element garbage (NaN, or a bad semaphore
+    count): what the launcher must zero or write, it must."""
+    buffers = {n: torch.full(s, float("nan"), device="cuda", dtype=dtype) for n, s in shapes.items()}
+    for name, (shape, dt) in kernels.workspace(problem).items():
+        dt = getattr(torch, dt)
+        buffers[name] = torch.full(shape, 12345 if dt == torch.int32 else float("nan"), device="cuda", dtype=dt)
+    return buffers
+
+
+def _randn(g, dtype, *shape):
+    return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+
+@settings(max_examples=160)
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=st.sampled_from(HEADDIMS),
        batch=st.integers(1, 3), seqlen_q=st.sampled_from([1, 7, 64, 65, 127, 200, 333]),
        seqlen_k=st.sampled_from([1, 9, 64, 100, 129, 256, 401]), nheads_kv=st.integers(1, 2),
        group=st.sampled_from([1, 2, 4]), causal=st.booleans(), left=st.sampled_from([-1, 0, 17, 100]),
-       softcap=st.sampled_from([0.0, 0.0, 5.0]), seed=st.integers(0, 2**31 - 1))
+       softcap=st.sampled_from([0.0, 0.0, 5.0]), deterministic=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_backward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left,
-                                    softcap, seed):
+                                    softcap, deterministic, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     nheads = nheads_kv * group
-    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g).to(dtype)
-    k = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
-    v = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g).to(dtype)
-    dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g).to(dtype)
+    q = _randn(g, dtype, batch, seqlen_q, nheads, headdim)
+    k, v = (_randn(g, dtype, batch, seqlen_k, nheads_kv, headdim) for _ in range(2))
+    dout = _randn(g, dtype, batch, seqlen_q, nheads, headdim)
     kw = dict(causal=causal, window=(left, -1), softcap=softcap, softmax_scale=None)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
     left_b, right_b = reference.window_bounds(causal, (left, -1))
     problem = Problem(op="attention_backward", framework="torch", device=arrays.Device("cuda", 0),
                       dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                       nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=causal, window_left=left_b,
-                      window_right=right_b, softmax_scale=1 / math.sqrt(headdim), softcap=softcap)
-    grads = {n: torch.full(x.shape, float("nan"), device="cuda", dtype=dtype) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+                      window_right=right_b, softmax_scale=1 / math.sqrt(headdim), softcap=softcap,
+                      deterministic=deterministic)
+    grads = _poisoned(problem, dtype, dq=q.shape, dk=k.shape, dv=v.shape)
     dispatch.execute(problem, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), grads,
                      torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    ref = _grads(q, k, v, dout, torch.float32, kw)
-    low = _grads(q, k, v, dout, dtype, kw)
-    for name, got, want, plain in zip(("dq", "dk", "dv"), grads.values(), ref, low):
-        assert not torch.isnan(got).any(), f"NaN (or an unwritten, poisoned element) in {name}"
-        err = (got.float() - want).abs().max().item()
-        plain_err = (plain - want).abs().max().item()
-        assert err <= 2 * plain_err + 1e-4, f"{name}: max error {err:.3g} vs plain {dtype} {plain_err:.3g}"
+    _check(grads, _grads(q, k, v, dout, torch.float32, kw), _grads(q, k, v, dout, dtype, kw), dtype)
+
+
+@settings(max_examples=60)
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), headdim=st.sampled_from([64, 128, 256, 80]),
+       lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=4),
+       nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), causal=st.booleans(),
+       left=st.sampled_from([-1, 5, 60]), softcap=st.sampled_from([0.0, 3.0]), deterministic=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_varlen_backward_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, causal, left,
+                                                        softcap, deterministic, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nheads = nheads_kv * group
+    total_q, total_k = sum(a for a, _ in lens), sum(b for _, b in lens)
+    q, dout = (_randn(g, dtype, total_q, nheads, headdim) for _ in range(2))
+    k, v = (_randn(g, dtype, total_k, nheads_kv, headdim) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for x in zip(*lens))
+    max_q, max_k = max(a for a, _ in lens), max(b for _, b in lens)
+    kw = dict(causal=causal, window=(left, -1), softcap=softcap, softmax_scale=None)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    dense = Problem(op="attention_varlen_backward", framework="torch", device=arrays.Device("cuda", 0),
+                    dtype=str(dtype).removeprefix("torch."), batch=len(lens), seqlen_q=max_q, seqlen_k=max_k,
+                    nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, total_q=total_q, total_k=total_k)
+    left_b, right_b = reference.window_bounds(causal, (left, -1))
+    problem = dataclasses.replace(dense, causal=causal, window_left=left_b, window_right=right_b,
+                                  softmax_scale=1 / math.sqrt(headdim), softcap=softcap, deterministic=deterministic)
+    grads = _poisoned(problem, dtype, dq=q.shape, dk=k.shape, dv=v.shape)
+    dispatch.execute(problem, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+                     grads, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    ref, low = [[], [], []], [[], [], []]
+    for b, (sq, sk) in enumerate(lens):
+        rows_q, rows_k = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        xs = [x[None, r] for x, r in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))]
+        for acc, compute in ((ref, torch.float32), (low, dtype)):
+            if sq and sk:
+                for a, grad in zip(acc, _grads(*xs, compute, kw)):
+                    a.append(grad[0])
+            else:  # an empty sequence has zero gradients (torch's softmax of nothing is NaN)
+                for a, x in zip(acc, xs):
+                    a.append(torch.zeros(x.shape[1:], device="cuda"))
+    _check(grads, *([torch.cat(parts) for parts in acc] for acc in (ref, low)), dtype)
+
+
+@pytest.mark.parametrize("headdim, causal, group", [(64, False, 1), (128, True, 2), (256, False, 4), (96, True, 1)])
+def test_deterministic_gradients_are_bit_identical(headdim, causal, group):
+    """Many key blocks add to each query block's dq: with deterministic=True their order is fixed, so
+    three runs agree bit for bit (and each is correct)."""
+    g = torch.Generator(device="cuda").manual_seed(headdim)
+    q, dout = (_randn(g, torch.bfloat16, 2, 1000, 2 * group, headdim) for _ in range(2))
+    k, v = (_randn(g, torch.bfloat16, 2, 1100, 2, headdim) for _ in range(2))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+    kw = dict(causal=causal, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    _check(dict(zip(("dq", "dk", "dv"), runs[0])), _grads(q, k, v, dout, torch.float32, kw),
+           _grads(q, k, v, dout, torch.bfloat16, kw), torch.bfloat16)
+
+
+@pytest.mark.parametrize("headdim, tiles", [(hd, t) for hd, rows in bwd_sm80.TILES.items() for t in rows])
+def test_every_tile_row(headdim, tiles, monkeypatch):
+    """Each row of the tile table, the fallbacks for GPUs with less shared memory included (forced
+    here): GQA, a window, ragged tails, deterministic and not."""
+    monkeypatch.setattr(bwd_sm80, "tiles_override", {headdim: tiles})
+    monkeypatch.setattr(dispatch, "_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(headdim)
+    q, dout = (_randn(g, torch.float16, 2, 150, 4, headdim) for _ in range(2))
+    k, v = (_randn(g, torch.float16, 2, 170, 2, headdim) for _ in range(2))
+    kw = dict(causal=True, window=(90, -1), softcap=0.0, softmax_scale=None)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    ref, low = _grads(q, k, v, dout, torch.float32, kw), _grads(q, k, v, dout, torch.float16, kw)
+    for deterministic in (False, True):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **kw, deterministic=deterministic)
+        _check(dict(zip(("dq", "dk", "dv"), grads)), ref, low, torch.float16)
 
 
 def test_torch_autograd_runs_the_backward_kernel():
     import cuflash.torch as ct
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
-    ct.attention(q, k, v, causal=True).float().square().sum().backward()
+    ct.attention(q, k, v, causal=True, deterministic=True).float().square().sum().backward()
     want = _grads(q, k, v, 2 * ct.attention(q, k, v, causal=True).detach().float(), torch.float32,
                   dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None))
     for got, w in zip((q.grad, k.grad, v.grad), want):
         assert (got.float() - w).abs().max().item() < 0.05 * w.abs().max().item() + 1e-3
+
+
+def test_torch_cuda_graph_captures_forward_and_backward():
+    """A training step's attention, forward and backward, captured in a CUDA graph: every buffer
+    (outputs and workspace) comes from torch's allocator, every launch goes to the capturing
+    stream. A replay on new inputs equals an eager step bit for bit (deterministic backward)."""
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        out = ct.attention(q, k, v, causal=True, deterministic=True)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: kernels compiled and loaded before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    with torch.no_grad():
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    captured = [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
+    eager = step()
+    for got, want in zip(captured, [eager] + [x.grad for x in (q, k, v)]):
+        assert torch.equal(got, want)
+
+
+def test_jax_grad_runs_the_backward_kernel():
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cj
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tq, tk, tv = (torch.randn(2, 200, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (jax.dlpack.from_dlpack(x) for x in (tq, tk, tv))
+    loss = lambda q, k, v: jax.numpy.square(cj.attention(q, k, v, causal=True).astype(jax.numpy.float32)).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    leaves = [x.detach().float().requires_grad_() for x in (tq, tk, tv)]
+    out, _ = gpu_attention.attention(*leaves, compute_dtype=torch.float32, causal=True)
+    out.square().sum().backward()
+    for got, w in zip(grads, leaves):
+        got = torch.from_dlpack(got).float()
+        assert (got - w.grad).abs().max().item() < 0.05 * w.grad.abs().max().item() + 1e-3

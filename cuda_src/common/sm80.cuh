@@ -84,6 +84,27 @@ __device__ __forceinline__ unsigned pack2<bfloat16_t>(float lo, float hi) {
   return r;
 }
 
+// p[0..3] += v[0..3] in global memory, each element atomically (p 16-byte aligned): one vector
+// reduction on sm_90 and newer, four scalar ones before.
+__device__ __forceinline__ void atomic_add_f32x4(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+  atomicAdd(p + 2, c);
+  atomicAdd(p + 3, d);
+#endif
+}
+
+// A load that later loads and stores of the thread cannot overtake, seeing what a release (or a
+// fence before a store) of another CTA published: the wait side of a global-memory semaphore.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // 2^x on the special-function unit; ex2(-inf) = 0.
 __device__ __forceinline__ float ex2(float x) {
   float y;

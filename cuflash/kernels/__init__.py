@@ -105,6 +105,10 @@ class Family:
     dtypes: frozenset = frozenset(CXX_TYPES)
     # Arch-specific code (sm_90a) runs on one compute capability only.
     max_compute_capability: tuple[int, int] | None = None
+    # (problem) -> {name: (shape, dtype)}: scratch buffers the launcher needs beside the outputs,
+    # allocated like them by the caller's framework (so CUDA graphs capture them, JAX's XLA owns
+    # them); contents undefined on entry. From the problem alone: JAX declares them at trace time.
+    workspace: Callable[[Any], dict] | None = None
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
@@ -134,6 +138,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _families()}
 def families_for(op: str, backend: str | None = None) -> list[Family]:
     """The families serving `op`, in order of preference; only those of `backend` when given."""
     return [f for f in FAMILIES.values() if op in f.ops and backend in (None, f.backend)]
+
+
+def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The scratch buffers any family that may serve `problem` needs (Family.workspace)."""
+    buffers: dict[str, tuple] = {}
+    for family in families_for(problem.op, problem.backend):
+        for name, spec in (family.workspace(problem) if family.workspace else {}).items():
+            assert buffers.setdefault(name, spec) == spec, f"families disagree on workspace {name}"
+    return buffers
 
 
 def backends_for(op: str) -> list[str]:

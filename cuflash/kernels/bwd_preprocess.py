@@ -3,12 +3,14 @@ backward (cuda_src/bwd_preprocess.cu). Memory-bound: it reads dout and out once 
 4 bytes per row."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
 
+# Compiled head dims; a smaller one runs on the next one up, reading only its own columns.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 THREADS = 128
 
@@ -51,10 +53,11 @@ VARIANTS = tuple(BwdPreprocessVariant(dtype, headdim, vec)
 
 
 def select(problem, inputs) -> BwdPreprocessVariant:
-    if problem.headdim not in HEADDIMS:
-        raise ValueError(f"bwd_preprocess has no variant for headdim {problem.headdim} (has {HEADDIMS})")
-    vec = 8 if all(rows_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
-    return BwdPreprocessVariant(problem.dtype, problem.headdim, vec)
+    if not 0 < problem.headdim <= HEADDIMS[-1]:
+        raise ValueError(f"bwd_preprocess takes head dims up to {HEADDIMS[-1]}; got {problem.headdim}")
+    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    vec = 8 if problem.headdim % 8 == 0 and all(rows_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
+    return BwdPreprocessVariant(problem.dtype, headdim, vec)
 
 
 def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
@@ -64,7 +67,7 @@ def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, st
     out, dout, delta = inputs["out"], inputs["dout"], outputs["delta"]
     grid = ((problem.seqlen_q + variant.rows_per_block - 1) // variant.rows_per_block, problem.nheads, problem.batch)
     args = (np.uint64(out.ptr), np.uint64(dout.ptr), np.uint64(delta.ptr),
-            np.int32(problem.seqlen_q), np.int32(problem.nheads),
+            np.int32(problem.seqlen_q), np.int32(problem.nheads), np.int32(problem.headdim),
             *(np.int64(s) for s in out.strides[:3]), *(np.int64(s) for s in dout.strides[:3]))
     with stream:
         function(grid, (variant.threads,), args)

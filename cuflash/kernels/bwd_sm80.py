@@ -1,7 +1,7 @@
 """bwd_sm80: the FlashAttention-2 backward on mma.sync (cuda_src/bwd_sm80.cu), for every GPU of
 compute capability 8.0 or newer: bwd_preprocess for delta, the main kernel (one CTA per key block
-and kv head; dK, dV in registers, dQ added to a float32 buffer with atomics), then dQ converted to
-the input dtype."""
+and kv head; dK, dV in registers, dQ added to a float32 buffer with atomics, in a fixed order when
+deterministic), then dQ converted to the input dtype. Dense and varlen."""
 from __future__ import annotations
 
 import math
@@ -12,29 +12,45 @@ import numpy as np
 from .. import jit
 from ..arrays import DeviceArray
 from . import CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, cxx_bool, require_rows_aligned
-from .forward import ELEMENT_BYTES, kernel_window, softmax_constants
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
+from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 
-# dK, dV and dQ accumulators share the registers with Sᵀ and dPᵀ: head dims up to 64 fit without
-# spilling (the offline report checks it); larger ones are not served yet. Exact head dims only:
-# bwd_preprocess computes delta for its own list.
-HEADDIMS = (32, 64)
-BLOCK_M = 64
-# Warps per CTA by head dim, 16 keys each (block_n = 16 * warps): 8 warps read each Q and dO tile
-# for twice the keys (+12-18% at head dim 64 on H100) but at head dim 64 spill on sm_80 (24 bytes),
-# so 64 keeps 4 for now. benchmarks/bwd_quick.py --warps overrides it to time the other choice.
+# Compiled head dims, as the forward's: another multiple of 8 runs on the next one up (its extra
+# columns zero-filled on load, never stored).
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+# The tile table: per compiled head dim, (block_m, block_n, warps, stages) in order of preference;
+# the first whose shared memory fits the GPU is used. Warps own 16 keys each; where there are more
+# warps than 16-key groups, the warps of a group split Sᵀ's queries and then dK/dV's head dim (Pᵀ
+# and dSᵀ pass through shared memory), which is what keeps the dK and dV accumulators of the large
+# head dims in registers (kHeadDim / split of them per thread). stages = 2 loads the next Q and dO
+# tiles while one computes. The offline report checks every row is spill-free on sm_80 and sm_90a.
 # Measurements: benchmarks/NOTES-bwd_sm80.md.
-WARPS = {32: 8, 64: 4}
-warps_override: int | None = None
+TILES = {
+    32: ((64, 128, 8, 2),),
+    64: ((64, 128, 8, 2),),
+    96: ((64, 64, 8, 2),),
+    128: ((64, 64, 8, 2), (64, 64, 8, 1)),
+    160: ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1)),
+    192: ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1)),
+    # (64, 64, 8) and (64, 32, 4) spill on sm_80; 4 warps per key group don't divide 224
+    224: ((32, 32, 4, 2), (32, 32, 4, 1)),
+    # (64, 64, 8) spills; (32, 32, 4) too on sm_86, where only 16-key blocks fit without
+    256: ((64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 4, 1)),
+}
+# Set by benchmarks to time another row (dispatch remembers each choice): {headdim: (bm, bn, warps, stages)}.
+tiles_override: dict[int, tuple[int, int, int, int]] | None = None
 
 BWD_PARAMS = np.dtype(
-    [(name, np.uint64) for name in ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv")]
+    [(name, np.uint64) for name in ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", "cu_seqlens_q",
+                                    "cu_seqlens_k", "dq_semaphore")]
     + [(f"{t}_stride_{d}", np.int64) for t in ("q", "k", "v", "do", "dk", "dv") for d in ("b", "s", "h")]
-    + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
+    + [(f"{t}_stride_{d}", np.int64) for t in ("lse", "delta") for d in ("b", "h")]
     + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "nheads", "group", "headdim", "window_left",
                                      "window_right")]
     + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")],
     align=True)
-assert BWD_PARAMS.itemsize == 280, "keep in step with static_assert(sizeof(BwdParams) == 280)"
+assert BWD_PARAMS.itemsize == 320, "keep in step with static_assert(sizeof(BwdParams) == 312)"
 PARAMS_BYTES = np.dtype((np.void, BWD_PARAMS.itemsize))
 
 
@@ -45,21 +61,32 @@ class BwdSm80Variant(Variant):
     template = "cuflash::bwd_sm80"
 
     dtype: str
-    headdim: int
-    warps: int  # 4 or 8, 16 keys each
+    headdim: int  # compiled (padded) head dim
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int  # Q/dO buffers: 1, or 2 (the next tile loads while one computes)
     softcap: bool
 
     def check(self) -> None:
         if self.dtype not in CXX_TYPES:
             raise ValueError(f"bwd_sm80: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.stages not in (1, 2):
+            raise ValueError(f"bwd_sm80: stages={self.stages} must be 1 or 2")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"bwd_sm80: headdim {self.headdim} is not one of {HEADDIMS}")
-        if self.warps not in (4, 8):
-            raise ValueError(f"bwd_sm80: warps={self.warps} must be 4 or 8")
+        groups = self.block_n // 16
+        if self.block_n % 16 or self.warps % groups or self.block_m % (16 * self.split):
+            raise ValueError(f"bwd_sm80: block_n={self.block_n} must be whole 16-key groups, one or more warps "
+                             f"each ({self.warps} warps), splitting block_m={self.block_m} in 16s")
+        if (self.headdim // 8) % (2 * self.split) or self.warps % (self.block_m // 16):
+            raise ValueError(f"bwd_sm80: {self.warps} warps cannot split headdim {self.headdim} or "
+                             f"block_m {self.block_m} evenly")
 
     @property
-    def block_n(self) -> int:
-        return 16 * self.warps
+    def split(self) -> int:
+        """Warps per 16 keys: they split Sᵀ's queries, then dK and dV's head dim."""
+        return self.warps // (self.block_n // 16)
 
     @property
     def threads(self) -> int:
@@ -67,12 +94,19 @@ class BwdSm80Variant(Variant):
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        # K and V (block_n rows), Q and dO (64 rows), padded; dSᵀ; lse and delta of a query block
-        rows = 2 * self.block_n + 2 * BLOCK_M
-        return (rows * (self.headdim + 8) + self.block_n * (BLOCK_M + 8)) * ELEMENT_BYTES + 2 * BLOCK_M * 4
+        return smem_bytes(self.headdim, self.block_m, self.block_n, self.warps, self.stages)
 
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.warps), cxx_bool(self.softcap))
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_m), str(self.block_n), str(self.warps),
+                str(self.stages), cxx_bool(self.softcap))
+
+
+def smem_bytes(headdim: int, block_m: int, block_n: int, warps: int, stages: int) -> int:
+    """K and V tiles, Q and dO tiles per stage (rows padded by 16 bytes); dSᵀ, and Pᵀ when the warps
+    split the keys' work; lse and delta of a query block."""
+    p_tiles = 1 if warps == block_n // 16 else 2
+    return ((2 * block_n + 2 * stages * block_m) * (headdim + 8) + p_tiles * block_n * (block_m + 8)) \
+        * ELEMENT_BYTES + 2 * block_m * 4
 
 
 @dataclass(frozen=True)
@@ -90,67 +124,117 @@ class BwdSm80DqVariant(Variant):
         return (CXX_TYPES[self.dtype], str(self.headdim))
 
 
+def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int, int]:
+    if tiles_override and headdim in tiles_override:
+        return tiles_override[headdim]
+    for tiles in TILES[headdim]:
+        if smem_bytes(headdim, *tiles) <= smem_limit:
+            return tiles
+    raise ValueError(f"bwd_sm80 has no tile for headdim {headdim} within {smem_limit} bytes of shared memory")
+
+
 def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
+    limit = SMEM_OPTIN.get(tuple(compute_capability), SMEM_OPTIN_DEFAULT)
     return tuple(v for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
-                 for v in (BwdSm80Variant(dtype, hd, WARPS[hd], False), BwdSm80Variant(dtype, hd, WARPS[hd], True),
-                           BwdSm80DqVariant(dtype, hd)))
+                 for v in (BwdSm80Variant(dtype, hd, *_tiles(hd, limit), False),
+                           BwdSm80Variant(dtype, hd, *_tiles(hd, limit), True), BwdSm80DqVariant(dtype, hd)))
 
 
 def select(problem, inputs) -> BwdSm80Variant:
-    if problem.varlen:
-        raise ValueError("bwd_sm80 does not take varlen problems yet")
-    if problem.headdim not in HEADDIMS:
-        raise ValueError(f"bwd_sm80 takes head dims {HEADDIMS} for now; got {problem.headdim}")
+    check_headdim("bwd_sm80", problem.headdim, HEADDIMS[-1])
     require_rows_aligned("bwd_sm80", inputs, ("q", "k", "v", "dout"), ELEMENT_BYTES)
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
-    return BwdSm80Variant(problem.dtype, problem.headdim, warps_override or WARPS[problem.headdim], problem.softcap > 0)
+    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    tiles = _tiles(headdim, int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"]))
+    return BwdSm80Variant(problem.dtype, headdim, *tiles, problem.softcap > 0)
+
+
+def _token_strides(problem, x) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides; varlen arrays are (total, heads, dim), with no batch stride."""
+    return (0, *x.strides[:2]) if problem.varlen else tuple(x.strides[:3])
+
+
+def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    """delta (laid out like lse), the float32 dQ accumulator (rows, heads, compiled head dim) and,
+    when deterministic, the per-query-block semaphores (for 16-query blocks, the smallest)."""
+    rows_q = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
+                                                                         problem.seqlen_q)
+    buffers = dict(delta=(lse_shape, "float32"),
+                   dq_accum=((rows_q, problem.nheads, 32 * math.ceil(problem.headdim / 32)), "float32"))
+    if problem.deterministic:
+        buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
+    return buffers
+
+
+def _zero(stream, *arrays_: DeviceArray, itemsize: int) -> None:
+    import cupy
+
+    for x in arrays_:
+        if math.prod(x.shape):
+            cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * itemsize, stream.ptr)
 
 
 def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
-    import cupy
-
-    if problem.batch * problem.nheads * problem.seqlen_q * problem.seqlen_k == 0:
+    dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
+    rows_q = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    if rows_q * problem.nheads == 0 or math.prod(dk.shape) == 0:
         # no query sees a key (or there are none): zero gradients; the outputs are contiguous
-        for x in (outputs["dq"], outputs["dk"], outputs["dv"]):
-            if math.prod(x.shape):
-                cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * ELEMENT_BYTES, stream.ptr)
+        _zero(stream, dq, dk, dv, itemsize=ELEMENT_BYTES)
         return
     device = problem.device.index
     q, k, v, dout, out, lse = (inputs[n] for n in ("q", "k", "v", "dout", "out", "lse"))
-    dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
-    with stream:
-        delta = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
-        dq_accum = cupy.zeros((problem.batch, problem.seqlen_q, problem.nheads, variant.headdim), np.float32)
-    pre_variant = bwd_preprocess.select(problem, dict(out=out, dout=dout))
-    bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, device), problem, dict(out=out, dout=dout),
-                          dict(delta=DeviceArray(delta.data.ptr, delta.shape, tuple(s // 4 for s in delta.strides))),
-                          stream)
+    delta, dq_accum = outputs["delta"], outputs["dq_accum"]  # contiguous, as workspace() declares them
+    semaphore = outputs["dq_semaphore"] if problem.deterministic else None
+    _zero(stream, dq_accum, *([semaphore] if semaphore else []), itemsize=4)
+    # The preprocess sees varlen rows as one sequence of total_q rows.
+    pre_problem = problem if not problem.varlen else _as_one_sequence(problem)
+    pre_inputs = dict(out=out, dout=dout) if not problem.varlen else {
+        n: DeviceArray(x.ptr, (1, *x.shape), (0, *x.strides)) for n, x in (("out", out), ("dout", dout))}
+    pre_variant = bwd_preprocess.select(pre_problem, pre_inputs)
+    bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, device), pre_problem, pre_inputs,
+                          dict(delta=delta), stream)
     scale_log2, softcap_exp2_scale, softcap = softmax_constants(problem)
+    _, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
+    delta_strides = (0, delta.strides[0]) if problem.varlen else delta.strides[:2]
     params = np.empty(1, BWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.data.ptr, dq_accum.data.ptr, dk.ptr, dv.ptr,
-                 *q.strides[:3], *k.strides[:3], *v.strides[:3], *dout.strides[:3], *dk.strides[:3],
-                 *dv.strides[:3], *lse.strides[:2], problem.seqlen_q, problem.seqlen_k, problem.nheads,
+    params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr, cu_q, cu_k,
+                 0 if semaphore is None else semaphore.ptr,
+                 *(s for x in (q, k, v, dout, dk, dv) for s in _token_strides(problem, x)), *lse_strides,
+                 *delta_strides, problem.seqlen_q, problem.seqlen_k, problem.nheads,
                  problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  problem.softmax_scale, scale_log2, softcap_exp2_scale, softcap)
     grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
-    with stream:
-        function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+    if grid[0]:
+        with stream:
+            function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
     dq_variant = BwdSm80DqVariant(problem.dtype, variant.headdim)
-    rows = problem.batch * problem.seqlen_q * problem.nheads
-    pairs = rows * (variant.headdim // 2)
+    pairs = rows_q * problem.nheads * (variant.headdim // 2)
+    dq_strides = _token_strides(problem, dq)
     with stream:
         jit.get_function(dq_variant, device)((math.ceil(pairs / 256),), (256,), (
-            np.uint64(dq_accum.data.ptr), np.uint64(dq.ptr), np.int32(rows), np.int32(problem.nheads),
-            np.int32(problem.seqlen_q), np.int32(problem.headdim), *(np.int64(s) for s in dq.strides[:3])))
+            np.uint64(dq_accum.ptr), np.uint64(dq.ptr), np.int32(rows_q * problem.nheads),
+            np.int32(problem.nheads), np.int32(problem.total_q if problem.varlen else problem.seqlen_q),
+            np.int32(problem.headdim), *(np.int64(s) for s in dq_strides)))
+
+
+def _as_one_sequence(problem):
+    """A varlen problem's rows as one dense sequence (for the row-wise preprocess)."""
+    import dataclasses
+
+    return dataclasses.replace(problem, op="backward_preprocess", batch=1, seqlen_q=problem.total_q,
+                               seqlen_k=problem.total_q, total_q=0, total_k=0)
 
 
 FAMILY = Family(
     name="bwd_sm80",
     backend="sm80",
-    ops=("attention_backward",),
-    description="FlashAttention-2 backward on mma.sync (sm_80+): dK/dV per key block, dQ by float32 atomics",
+    ops=("attention_backward", "attention_varlen_backward"),
+    description="FlashAttention-2 backward on mma.sync (sm_80+): dK/dV per key block, dQ by float32 atomics "
+                "(ordered when deterministic)",
     min_compute_capability=(8, 0),
     variants_for=variants_for,
     select=select,
     launch=launch,
+    workspace=workspace,
 )
