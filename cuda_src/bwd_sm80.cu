@@ -228,25 +228,42 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
 
     // Pᵀ and dSᵀ in place: element (key j, query i) of accumulator [mt][e] is
     // j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + query0 + 8 * mt + 2 * (lane % 4) + e % 2.
+    // A tile in which every query sees every key (no tail, no window edge) skips the mask.
+    const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
+                          (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
+                          (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
+    // (called with a constant, inlined: each call site compiles its own loop)
+    auto softmax_gradient = [&](bool masked) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        const int il = query0 + 8 * mt + 2 * (lane % 4);  // this thread's two queries of the n8 tile
+        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + il);
+        const float2 delta2 = *reinterpret_cast<const float2*>(sDelta + il);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = n0 + key_row0 + lane / 4 + 8 * (e / 2);
-        const int il = query0 + 8 * mt + 2 * (lane % 4) + e % 2;
-        const int i = m0 + il;
-        const bool visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
-                             (right < 0 || j <= i + offset + right);
-        float x = s[mt][e], dtanh = 1.f;
-        if constexpr (kSoftcap) {
-          x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
-          const float t = x / p.softcap;
-          dtanh = 1.f - t * t;
+        for (int e = 0; e < 4; ++e) {
+          bool visible = true;
+          if (masked) {
+            const int j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + il + e % 2;
+            visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
+                      (right < 0 || j <= i + offset + right);
+          }
+          float x = s[mt][e], dtanh = 1.f;
+          if constexpr (kSoftcap) {
+            x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
+            const float t = x / p.softcap;
+            dtanh = 1.f - t * t;
+          }
+          const float pe = visible ? ex2(fmaf(x, p.scale_log2, -(e % 2 ? lse2.y : lse2.x))) : 0.f;
+          s[mt][e] = pe;
+          dp[mt][e] = pe * (dp[mt][e] - (e % 2 ? delta2.y : delta2.x)) * dtanh;
         }
-        const float pe = visible ? ex2(fmaf(x, p.scale_log2, -sLse[il])) : 0.f;
-        s[mt][e] = pe;
-        dp[mt][e] = pe * (dp[mt][e] - sDelta[il]) * dtanh;
       }
+    };
+    if (interior) {
+      softmax_gradient(false);
+    } else {
+      softmax_gradient(true);
+    }
 
     // Pᵀ and dSᵀ as A operands (16 keys x k16 queries per step), packed once; dSᵀ (and Pᵀ when
     // the warps of a key group split the head dim below) to shared memory: each thread's pairs

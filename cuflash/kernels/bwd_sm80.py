@@ -38,8 +38,6 @@ TILES = {
     # (64, 64, 8) spills; (32, 32, 4) too on sm_86, where only 16-key blocks fit without
     256: ((64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 4, 1)),
 }
-# Where softcap's extra registers tip a row into spilling, the rows it takes instead.
-SOFTCAP_TILES = {128: ((64, 64, 8, 2), (64, 64, 8, 1))}
 # Set by benchmarks to time another row (dispatch remembers each choice): {headdim: (bm, bn, warps, stages)}.
 tiles_override: dict[int, tuple[int, int, int, int]] | None = None
 
@@ -126,10 +124,10 @@ class BwdSm80DqVariant(Variant):
         return (CXX_TYPES[self.dtype], str(self.headdim))
 
 
-def _tiles(headdim: int, softcap: bool, smem_limit: int) -> tuple[int, int, int, int]:
+def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int, int]:
     if tiles_override and headdim in tiles_override:
         return tiles_override[headdim]
-    for tiles in (SOFTCAP_TILES if softcap and headdim in SOFTCAP_TILES else TILES)[headdim]:
+    for tiles in TILES[headdim]:
         if smem_bytes(headdim, *tiles) <= smem_limit:
             return tiles
     raise ValueError(f"bwd_sm80 has no tile for headdim {headdim} within {smem_limit} bytes of shared memory")
@@ -138,8 +136,8 @@ def _tiles(headdim: int, softcap: bool, smem_limit: int) -> tuple[int, int, int,
 def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     limit = SMEM_OPTIN.get(tuple(compute_capability), SMEM_OPTIN_DEFAULT)
     return tuple(v for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
-                 for v in (*(BwdSm80Variant(dtype, hd, *_tiles(hd, softcap, limit), softcap)
-                             for softcap in (False, True)), BwdSm80DqVariant(dtype, hd)))
+                 for v in (BwdSm80Variant(dtype, hd, *_tiles(hd, limit), False),
+                           BwdSm80Variant(dtype, hd, *_tiles(hd, limit), True), BwdSm80DqVariant(dtype, hd)))
 
 
 def select(problem, inputs) -> BwdSm80Variant:
@@ -148,7 +146,7 @@ def select(problem, inputs) -> BwdSm80Variant:
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
     headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
     smem_limit = int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"])
-    tiles = _tiles(headdim, problem.softcap > 0, smem_limit)
+    tiles = _tiles(headdim, smem_limit)
     return BwdSm80Variant(problem.dtype, headdim, *tiles, problem.softcap > 0)
 
 
