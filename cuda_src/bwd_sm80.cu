@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   T* sDo = sQ + kBlockM * kStride;
   T* sDs = sQ + kStages * kStageElems;  // dSᵀ, [key][query]
   T* sP = sDs + kBlockN * kPStride;  // Pᵀ, [key][query] (kSplit > 1 only)
-  float* sLse = reinterpret_cast<float*>(sP + (kPInRegisters ? 0 : kBlockN * kPStride));  // log2 domain
-  float* sDelta = sLse + kBlockM;
+  // Per stage, the LSE (log2 domain) and D of a tile's kBlockM queries.
+  float* sRows = reinterpret_cast<float*>(sP + (kPInRegisters ? 0 : kBlockN * kPStride));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Deterministic runs add to each query block's dQ from the last key block down (causal: the key
@@ -156,16 +156,20 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
 
   // The tiles this CTA visits: for each query head of the group, the query blocks from the one
   // holding m_lo up to m_hi. With two stages the next tile's Q and dO load while this one computes
-  // (and its LSE and D wait in registers).
+  // and its LSE and D wait in registers, to be stored once this one is done: a tile then needs two
+  // barriers (its loads landed and the previous tile's buffers are free; its Pᵀ and dSᵀ are
+  // written). With one stage, three: the loads can only start once the previous tile is done.
   const int m_first = (m_lo / kBlockM) * kBlockM;
   const int m_count = m_hi > m_lo ? (m_hi - m_first + kBlockM - 1) / kBlockM : 0;
   const int tiles = m_count * p.group;
   auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
+  auto stage_of = [](int t) { return kStages == 2 ? t % 2 : 0; };
   auto load_q_do = [&](int t) {
-    const int hq = tile_head(t), stage = kStages == 2 ? t % 2 : 0;
+    const int hq = tile_head(t), stage = stage_of(t);
     load_tile(sQ + stage * kStageElems, q + hq * p.q_stride_h, p.q_stride_s, tile_m0(t), kBlockM, seqlen_q);
     load_tile(sDo + stage * kStageElems, dout + hq * p.do_stride_h, p.do_stride_s, tile_m0(t), kBlockM, seqlen_q);
+    cp_async_commit();
   };
   float lse_next = 0.f, delta_next = 0.f;  // row tid's, of the next tile (the first kBlockM threads)
   auto fetch_rows = [&](int t) {
@@ -175,31 +179,38 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
       delta_next = delta[hq * p.delta_stride_h + i];
     }
   };
+  auto store_rows = [&](int t) {
+    if (tid < kBlockM) {
+      const bool valid = tile_m0(t) + tid < seqlen_q;
+      float* rows = sRows + stage_of(t) * 2 * kBlockM;
+      rows[tid] = valid ? lse_next * kLog2e : 0.f;
+      rows[kBlockM + tid] = valid ? delta_next : 0.f;
+    }
+  };
   if (tiles > 0) {
-    if constexpr (kStages == 2) load_q_do(0);
-    cp_async_commit();
+    load_q_do(0);
     fetch_rows(0);
+    store_rows(0);
   }
 
   for (int t = 0; t < tiles; ++t) {
     const int hq = tile_head(t), m0 = tile_m0(t);
     float* dq_h = p.dq_accum + (dq_row0 * p.nheads + hq) * kHeadDim;
-    const unsigned stage = kStages == 2 ? (t % 2) * kStageElems * 2 : 0;  // bytes
-    __syncthreads();  // the previous tile's Q, dO (this stage's buffers), Pᵀ, dSᵀ, LSE and D are no longer read
-    if constexpr (kStages == 2) {
-      if (t + 1 < tiles) load_q_do(t + 1);
-    } else {
-      load_q_do(t);
+    const unsigned stage = stage_of(t) * kStageElems * 2;  // bytes
+    const float* rows = sRows + stage_of(t) * 2 * kBlockM;
+    if constexpr (kStages == 1) {
+      if (t > 0) {
+        __syncthreads();  // the previous tile's Q, dO, LSE and D are no longer read
+        load_q_do(t);
+        store_rows(t);
+      }
     }
-    cp_async_commit();
-    if (tid < kBlockM) {
-      const bool valid = m0 + tid < seqlen_q;
-      sLse[tid] = valid ? lse_next * kLog2e : 0.f;
-      sDelta[tid] = valid ? delta_next : 0.f;
+    cp_async_wait<0>();  // this tile's Q and dO (issued a tile ago with two stages)
+    __syncthreads();     // ... for every thread; and the previous tile is done (its Q/dO stage, Pᵀ, dSᵀ)
+    if (t + 1 < tiles) {
+      if constexpr (kStages == 2) load_q_do(t + 1);
+      fetch_rows(t + 1);
     }
-    if (t + 1 < tiles) fetch_rows(t + 1);
-    cp_async_wait<kStages - 1>();  // this tile's Q and dO (with one stage, every load so far)
-    __syncthreads();
 
     // Sᵀ (16 keys x this warp's queries) and dPᵀ, from k16 steps over the head dim.
     float s[kMTiles][4], dp[kMTiles][4];
@@ -237,8 +248,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         const int il = query0 + 8 * mt + 2 * (lane % 4);  // this thread's two queries of the n8 tile
-        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + il);
-        const float2 delta2 = *reinterpret_cast<const float2*>(sDelta + il);
+        const float2 lse2 = *reinterpret_cast<const float2*>(rows + il);
+        const float2 delta2 = *reinterpret_cast<const float2*>(rows + kBlockM + il);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           bool visible = true;
@@ -380,6 +391,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
       __threadfence();
       __syncthreads();
       if (tid == 0) atomicAdd(semaphore, 1);
+    }
+    if constexpr (kStages == 2) {
+      // The next tile's rows go to the other stage, last read by the tile before this one.
+      if (t + 1 < tiles) store_rows(t + 1);
     }
   }
 

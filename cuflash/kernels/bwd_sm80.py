@@ -103,10 +103,10 @@ class BwdSm80Variant(Variant):
 
 def smem_bytes(headdim: int, block_m: int, block_n: int, warps: int, stages: int) -> int:
     """K and V tiles, Q and dO tiles per stage (rows padded by 16 bytes); dSᵀ, and Pᵀ when the warps
-    split the keys' work; lse and delta of a query block."""
+    split the keys' work; lse and delta of a query block per stage."""
     p_tiles = 1 if warps == block_n // 16 else 2
     return ((2 * block_n + 2 * stages * block_m) * (headdim + 8) + p_tiles * block_n * (block_m + 8)) \
-        * ELEMENT_BYTES + 2 * block_m * 4
+        * ELEMENT_BYTES + 2 * stages * block_m * 4
 
 
 @dataclass(frozen=True)
