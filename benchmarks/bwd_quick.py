@@ -2,7 +2,7 @@
 table's) against torch SDPA's flash backward (FlashAttention-2), interleaved, median of CUDA-event
 timings, backward FLOPs counted as 2.5x the forward's. No clocks recorded: the numbers to report
 come from the harness, `benchmarks/bench_fwd.py --backward`.
-`python benchmarks/bwd_quick.py [--tiles 128:64:64:8:1,...]`."""
+`python benchmarks/bwd_quick.py [--headdims 64,128] [--tiles 128:64:64:8:1,...]`."""
 import statistics
 import sys
 
@@ -17,7 +17,8 @@ if "--tiles" in sys.argv:  # time other tiles than the table's: --tiles hd:block
     bwd_sm80.tiles_override = {int(hd): tuple(tiles) for hd, *tiles in (
         map(int, item.split(":")) for item in sys.argv[sys.argv.index("--tiles") + 1].split(","))}
 
-for headdim in (64, 128):
+headdims = [int(x) for x in sys.argv[sys.argv.index("--headdims") + 1].split(",")] if "--headdims" in sys.argv else [64, 128]
+for headdim in headdims:
     for causal in (False, True):
         for seqlen in (1024, 4096):
             batch, nheads = 16384 // seqlen, 2048 // headdim

@@ -59,9 +59,16 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   constexpr int kKeyGroups = kBlockN / 16;
   constexpr int kSplit = kWarps / kKeyGroups;  // warps per 16 keys
   constexpr int kQueriesPerWarp = kBlockM / kSplit;  // of Sᵀ and dPᵀ
-  constexpr int kMTiles = kQueriesPerWarp / 8;       // n8 tiles across them
   constexpr int kDkTiles = kHeadDim / 8 / kSplit;    // n8 tiles of dK and dV per warp
-  constexpr bool kPInRegisters = kSplit == 1;
+  // Where dK and dV take 96 registers or more, Sᵀ and dPᵀ are computed 32 queries at a time (each
+  // pass packed and stored before the next): both at once, for 64 queries, do not fit beside them.
+  constexpr int kPasses = kDkTiles >= 12 && kQueriesPerWarp > 32 ? kQueriesPerWarp / 32 : 1;
+  constexpr int kPassQueries = kQueriesPerWarp / kPasses;
+  constexpr int kPassTiles = kPassQueries / 8;       // n8 tiles across a pass's queries
+  // Pᵀ and dSᵀ feed dV and dK from the registers they are computed in when one warp holds a key
+  // group's every column; not where dK and dV already take 96 registers or more (through shared
+  // memory they are packed, stored and dead before the dK/dV products).
+  constexpr bool kPInRegisters = kSplit == 1 && kDkTiles < 12;
   constexpr int kQueryGroups = kBlockM / 16;         // of dQ
   constexpr int kDqTiles = kHeadDim / 8 / (kWarps / kQueryGroups);  // n8 tiles of dQ per warp
   // dQ's accumulators in chunks of at most 8 n8 tiles (32 registers) beside dK and dV's.
@@ -84,7 +91,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   T* sDo = sQ + kBlockM * kStride;
   T* sDs = sQ + kStages * kStageElems;  // dSᵀ, [key][query]
   T* sP = sDs + kBlockN * kPStride;  // Pᵀ, [key][query] (kSplit > 1 only)
-  // Per stage, the LSE (log2 domain) and D of a tile's kBlockM queries.
+  // Per stage, the LSE and D of a tile's kBlockM queries.
   float* sRows = reinterpret_cast<float*>(sP + (kPInRegisters ? 0 : kBlockN * kPStride));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -155,144 +162,136 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   constexpr float kLog2e = 1.4426950408889634f;
 
   // The tiles this CTA visits: for each query head of the group, the query blocks from the one
-  // holding m_lo up to m_hi. With two stages the next tile's Q and dO load while this one computes
-  // and its LSE and D wait in registers, to be stored once this one is done: a tile then needs two
-  // barriers (its loads landed and the previous tile's buffers are free; its Pᵀ and dSᵀ are
-  // written). With one stage, three: the loads can only start once the previous tile is done.
+  // holding m_lo up to m_hi. A tile's Q, dO, LSE and D load together (cp.async, one group). With
+  // two stages the next tile's load while this one computes, and a tile needs two barriers (its
+  // loads landed and the previous tile's buffers are free; its Pᵀ and dSᵀ are written); with one
+  // stage three, as the loads can only start once the previous tile is done.
   const int m_first = (m_lo / kBlockM) * kBlockM;
   const int m_count = m_hi > m_lo ? (m_hi - m_first + kBlockM - 1) / kBlockM : 0;
   const int tiles = m_count * p.group;
   auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
   auto stage_of = [](int t) { return kStages == 2 ? t % 2 : 0; };
-  auto load_q_do = [&](int t) {
-    const int hq = tile_head(t), stage = stage_of(t);
-    load_tile(sQ + stage * kStageElems, q + hq * p.q_stride_h, p.q_stride_s, tile_m0(t), kBlockM, seqlen_q);
-    load_tile(sDo + stage * kStageElems, dout + hq * p.do_stride_h, p.do_stride_s, tile_m0(t), kBlockM, seqlen_q);
+  auto load_tile_inputs = [&](int t) {
+    const int hq = tile_head(t), stage = stage_of(t), m0 = tile_m0(t);
+    load_tile(sQ + stage * kStageElems, q + hq * p.q_stride_h, p.q_stride_s, m0, kBlockM, seqlen_q);
+    load_tile(sDo + stage * kStageElems, dout + hq * p.do_stride_h, p.do_stride_s, m0, kBlockM, seqlen_q);
+    if (tid < kBlockM) {  // rows past seqlen_q read as 0
+      const int i = m0 + tid;
+      const bool valid = i < seqlen_q;
+      float* rows = sRows + stage * 2 * kBlockM;
+      cp_async_4(smem_u32(rows + tid), valid ? lse + hq * p.lse_stride_h + i : lse, valid);
+      cp_async_4(smem_u32(rows + kBlockM + tid), valid ? delta + hq * p.delta_stride_h + i : delta, valid);
+    }
     cp_async_commit();
   };
-  float lse_next = 0.f, delta_next = 0.f;  // row tid's, of the next tile (the first kBlockM threads)
-  auto fetch_rows = [&](int t) {
-    const int i = tile_m0(t) + tid, hq = tile_head(t);
-    if (tid < kBlockM && i < seqlen_q) {
-      lse_next = lse[hq * p.lse_stride_h + i];
-      delta_next = delta[hq * p.delta_stride_h + i];
-    }
-  };
-  auto store_rows = [&](int t) {
-    if (tid < kBlockM) {
-      const bool valid = tile_m0(t) + tid < seqlen_q;
-      float* rows = sRows + stage_of(t) * 2 * kBlockM;
-      rows[tid] = valid ? lse_next * kLog2e : 0.f;
-      rows[kBlockM + tid] = valid ? delta_next : 0.f;
-    }
-  };
-  if (tiles > 0) {
-    load_q_do(0);
-    fetch_rows(0);
-    store_rows(0);
-  }
+  if (tiles > 0) load_tile_inputs(0);
 
   for (int t = 0; t < tiles; ++t) {
     const int hq = tile_head(t), m0 = tile_m0(t);
     float* dq_h = p.dq_accum + (dq_row0 * p.nheads + hq) * kHeadDim;
     const unsigned stage = stage_of(t) * kStageElems * 2;  // bytes
-    const float* rows = sRows + stage_of(t) * 2 * kBlockM;
+    const float* rows = sRows + stage_of(t) * 2 * kBlockM;  // LSE (natural log), then D
     if constexpr (kStages == 1) {
       if (t > 0) {
         __syncthreads();  // the previous tile's Q, dO, LSE and D are no longer read
-        load_q_do(t);
-        store_rows(t);
+        load_tile_inputs(t);
       }
     }
-    cp_async_wait<0>();  // this tile's Q and dO (issued a tile ago with two stages)
-    __syncthreads();     // ... for every thread; and the previous tile is done (its Q/dO stage, Pᵀ, dSᵀ)
-    if (t + 1 < tiles) {
-      if constexpr (kStages == 2) load_q_do(t + 1);
-      fetch_rows(t + 1);
+    cp_async_wait<0>();  // this tile's inputs (issued a tile ago with two stages)
+    __syncthreads();     // ... for every thread; and the previous tile is done (its stage, Pᵀ, dSᵀ)
+    if constexpr (kStages == 2) {
+      if (t + 1 < tiles) load_tile_inputs(t + 1);
     }
 
-    // Sᵀ (16 keys x this warp's queries) and dPᵀ, from k16 steps over the head dim.
-    float s[kMTiles][4], dp[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][e] = dp[mt][e] = 0.f;
-    // (one product after the other: interleaved, their fragments outgrow the registers; unrolled
-    // further over the head dim, ptxas keeps more fragments in flight than the registers hold:
-    // 4 steps spill at head dim 64, the whole head dim from 160 up)
-    auto product = [&](float (&acc)[kMTiles][4], unsigned a_lds, unsigned b_lds) {
-#pragma unroll 2
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        unsigned a[4];
-        ldmatrix_x4(a, a_lds + ks * 32);
-#pragma unroll
-        for (int mt2 = 0; mt2 < kMTiles / 2; ++mt2) {
-          unsigned bf[4];
-          ldmatrix_x4(bf, b_lds + (mt2 * 16 * kStride + ks * 16) * 2);
-          mma_16816_x2<T>(acc[2 * mt2], acc[2 * mt2 + 1], a, bf);
-        }
-      }
-    };
-    product(s, k_lds, q_ldsb + stage);
-    product(dp, v_lds, do_ldsb + stage);
-
-    // Pᵀ and dSᵀ in place: element (key j, query i) of accumulator [mt][e] is
-    // j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + query0 + 8 * mt + 2 * (lane % 4) + e % 2.
     // A tile in which every query sees every key (no tail, no window edge) skips the mask.
     const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
                           (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
                           (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
-    // (called with a constant, inlined: each call site compiles its own loop)
-    auto softmax_gradient = [&](bool masked) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        const int il = query0 + 8 * mt + 2 * (lane % 4);  // this thread's two queries of the n8 tile
-        const float2 lse2 = *reinterpret_cast<const float2*>(rows + il);
-        const float2 delta2 = *reinterpret_cast<const float2*>(rows + kBlockM + il);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          bool visible = true;
-          if (masked) {
-            const int j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + il + e % 2;
-            visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
-                      (right < 0 || j <= i + offset + right);
-          }
-          float x = s[mt][e], dtanh = 1.f;
-          if constexpr (kSoftcap) {
-            x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
-            const float t = x / p.softcap;
-            dtanh = 1.f - t * t;
-          }
-          const float pe = visible ? ex2(fmaf(x, p.scale_log2, -(e % 2 ? lse2.y : lse2.x))) : 0.f;
-          s[mt][e] = pe;
-          dp[mt][e] = pe * (dp[mt][e] - (e % 2 ? delta2.y : delta2.x)) * dtanh;
-        }
-      }
-    };
-    if (interior) {
-      softmax_gradient(false);
-    } else {
-      softmax_gradient(true);
-    }
-
-    // Pᵀ and dSᵀ as A operands (16 keys x k16 queries per step), packed once; dSᵀ (and Pᵀ when
-    // the warps of a key group split the head dim below) to shared memory: each thread's pairs
-    // of queries of its two key rows.
+    // Pᵀ and dSᵀ as A operands (16 keys x k16 queries per step), packed once.
     constexpr int kKSteps = kQueriesPerWarp / 16;
     unsigned pa[kKSteps][4], dsa[kKSteps][4];
 #pragma unroll
-    for (int kt = 0; kt < kKSteps; ++kt)
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int qp = query0 + pass * kPassQueries;  // this pass's first query within the tile
+      const unsigned qp_bytes = pass * kPassQueries * kStride * 2;
+      // Sᵀ (16 keys x the pass's queries) and dPᵀ, from k16 steps over the head dim.
+      float s[kPassTiles][4], dp[kPassTiles][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int mt = 2 * kt + r / 2, e = 2 * (r % 2);
-        pa[kt][r] = pack2<T>(s[mt][e], s[mt][e + 1]);
-        dsa[kt][r] = pack2<T>(dp[mt][e], dp[mt][e + 1]);
-        const int at = (key_row0 + lane / 4 + 8 * (r % 2)) * kPStride + query0 + 16 * kt + 8 * (r / 2) +
-                       2 * (lane % 4);
-        *reinterpret_cast<unsigned*>(sDs + at) = dsa[kt][r];
-        if constexpr (!kPInRegisters) *reinterpret_cast<unsigned*>(sP + at) = pa[kt][r];
+      for (int mt = 0; mt < kPassTiles; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][e] = dp[mt][e] = 0.f;
+      // (one product after the other: interleaved, their fragments outgrow the registers; unrolled
+      // further over the head dim, ptxas keeps more fragments in flight than the registers hold:
+      // 4 steps spill at head dim 64, the whole head dim from 160 up)
+      auto product = [&](float (&acc)[kPassTiles][4], unsigned a_lds, unsigned b_lds) {
+#pragma unroll 2
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          unsigned a[4];
+          ldmatrix_x4(a, a_lds + ks * 32);
+#pragma unroll
+          for (int mt2 = 0; mt2 < kPassTiles / 2; ++mt2) {
+            unsigned bf[4];
+            ldmatrix_x4(bf, b_lds + (mt2 * 16 * kStride + ks * 16) * 2);
+            mma_16816_x2<T>(acc[2 * mt2], acc[2 * mt2 + 1], a, bf);
+          }
+        }
+      };
+      product(s, k_lds, q_ldsb + stage + qp_bytes);
+      product(dp, v_lds, do_ldsb + stage + qp_bytes);
+
+      // Pᵀ and dSᵀ in place: element (key j, query i) of accumulator [mt][e] is
+      // j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + qp + 8 * mt + 2 * (lane % 4) + e % 2.
+      // (called with a constant, inlined: each call site compiles its own loop)
+      auto softmax_gradient = [&](bool masked) {
+#pragma unroll
+        for (int mt = 0; mt < kPassTiles; ++mt) {
+          const int il = qp + 8 * mt + 2 * (lane % 4);  // this thread's two queries of the n8 tile
+          float2 lse2 = *reinterpret_cast<const float2*>(rows + il);
+          lse2.x *= kLog2e;
+          lse2.y *= kLog2e;
+          const float2 delta2 = *reinterpret_cast<const float2*>(rows + kBlockM + il);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            bool visible = true;
+            if (masked) {
+              const int j = n0 + key_row0 + lane / 4 + 8 * (e / 2), i = m0 + il + e % 2;
+              visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
+                        (right < 0 || j <= i + offset + right);
+            }
+            float x = s[mt][e], dtanh = 1.f;
+            if constexpr (kSoftcap) {
+              x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
+              const float t = x / p.softcap;
+              dtanh = 1.f - t * t;
+            }
+            const float pe = visible ? ex2(fmaf(x, p.scale_log2, -(e % 2 ? lse2.y : lse2.x))) : 0.f;
+            s[mt][e] = pe;
+            dp[mt][e] = pe * (dp[mt][e] - (e % 2 ? delta2.y : delta2.x)) * dtanh;
+          }
+        }
+      };
+      if (interior) {
+        softmax_gradient(false);
+      } else {
+        softmax_gradient(true);
       }
+
+      // Packed; dSᵀ (and Pᵀ when it does not stay in registers) to shared memory: each thread's
+      // pairs of queries of its two key rows.
+#pragma unroll
+      for (int kt = 0; kt < kPassTiles / 2; ++kt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int mt = 2 * kt + r / 2, e = 2 * (r % 2), ktg = pass * (kPassTiles / 2) + kt;
+          pa[ktg][r] = pack2<T>(s[mt][e], s[mt][e + 1]);
+          dsa[ktg][r] = pack2<T>(dp[mt][e], dp[mt][e + 1]);
+          const int at = (key_row0 + lane / 4 + 8 * (r % 2)) * kPStride + qp + 16 * kt + 8 * (r / 2) +
+                         2 * (lane % 4);
+          *reinterpret_cast<unsigned*>(sDs + at) = dsa[ktg][r];
+          if constexpr (!kPInRegisters) *reinterpret_cast<unsigned*>(sP + at) = pa[ktg][r];
+        }
+    }
 
     // dV += Pᵀ dO and dK += dSᵀ Q over k16 steps of queries, this warp's columns.
     auto accumulate_dk_dv = [&](int kt, const unsigned (&pk)[4], const unsigned (&dsk)[4]) {
@@ -363,27 +362,14 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
           mma_16816_x2<T>(acc_dq[2 * dt2], acc_dq[2 * dt2 + 1], a, bk);
         }
       }
-      // Lane pairs swap halves so that each thread adds four consecutive columns of one row: the
-      // even lane row lane / 4, the odd lane row lane / 4 + 8 (one vector reduction each on sm_90).
-      const bool odd = lane % 2;
-      const int i = m0 + q_row0 + lane / 4 + (odd ? 8 : 0);
-      float* dq_row = dq_h + static_cast<long long>(i) * p.nheads * kHeadDim + c0 + 2 * (lane % 4) - (odd ? 2 : 0);
 #pragma unroll
-      for (int dt = 0; dt < kDqChunk; ++dt) {
-        float* acc = acc_dq[dt];
-        // the odd lane sends its row-lane/4 pair, the even lane its row-lane/4+8 pair
-        const float x = __shfl_xor_sync(0xffffffffu, odd ? acc[0] : acc[2], 1);
-        const float y = __shfl_xor_sync(0xffffffffu, odd ? acc[1] : acc[3], 1);
-        if (odd) {
-          acc[0] = x;
-          acc[1] = y;
-        } else {
-          acc[2] = x;
-          acc[3] = y;
-        }
+      for (int hf = 0; hf < 2; ++hf) {  // rows lane / 4 and lane / 4 + 8 of the 16
+        const int i = m0 + q_row0 + lane / 4 + 8 * hf;
         if (i < seqlen_q) {
-          const float s = p.scale;
-          atomic_add_f32x4(dq_row + dt * 8, acc[0] * s, acc[1] * s, acc[2] * s, acc[3] * s);
+          float* dq_row = dq_h + static_cast<long long>(i) * p.nheads * kHeadDim + c0 + 2 * (lane % 4);
+#pragma unroll
+          for (int dt = 0; dt < kDqChunk; ++dt)
+            atomic_add_f32x2(dq_row + dt * 8, acc_dq[dt][2 * hf] * p.scale, acc_dq[dt][2 * hf + 1] * p.scale);
         }
       }
     }
@@ -391,10 +377,6 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
       __threadfence();
       __syncthreads();
       if (tid == 0) atomicAdd(semaphore, 1);
-    }
-    if constexpr (kStages == 2) {
-      // The next tile's rows go to the other stage, last read by the tile before this one.
-      if (t + 1 < tiles) store_rows(t + 1);
     }
   }
 
