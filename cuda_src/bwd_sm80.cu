@@ -10,12 +10,16 @@
 //   dPᵀ = V dOᵀ        V rows (A), dO rows (B)
 //   dSᵀ = Pᵀ ∘ (dPᵀ - D)  (∘ (1 - tanh²) with softcap)
 //   dV += Pᵀ dO        each warp its kHeadDim / kSplit columns, over all kBlockM queries: with one
-//   dK += dSᵀ Q        warp per key group (kSplit = 1) Pᵀ and dSᵀ come straight from its registers,
-//                      otherwise through shared memory; dO and Q through ldmatrix.trans
+//   dK += dSᵀ Q        warp per key group (kSplit = 1) and few columns Pᵀ and dSᵀ come straight
+//                      from its registers, otherwise through shared memory; dO and Q through
+//                      ldmatrix.trans
 //   dQ += dS K         dSᵀ through shared memory (read transposed as A), K through ldmatrix.trans;
 //                      warps split the queries in 16s and the head dim, and add to a float32 dQ
-//                      buffer with atomics (other CTAs add their key blocks) — in a fixed order
-//                      when deterministic (a semaphore per query block)
+//                      buffer with atomic reductions (other CTAs add their key blocks; two floats
+//                      an instruction on sm_90) — in a fixed order when deterministic (a
+//                      semaphore per query block)
+// The query blocks' Q, dO, LSE and D load by cp.async, the next block's while one computes (two
+// stages).
 // dK and dV stay in registers for the whole CTA and are written once, dK times the softmax scale.
 // Varlen and deterministic are run-time switches (null cu_seqlens / semaphore pointers): they act
 // once per CTA or once per query block, never in the inner loops.
