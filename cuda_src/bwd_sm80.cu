@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
 
   // The tiles this CTA visits: for each query head of the group, the query blocks from the one
   // holding m_lo up to m_hi. A tile's Q, dO, LSE and D load together (cp.async, one group). With
-  // two stages the next tile's load while this one computes, and a tile needs two barriers (its
+  // two stages the next tile's loads run while this one computes, and a tile needs two barriers (its
   // loads landed and the previous tile's buffers are free; its Pᵀ and dSᵀ are written); with one
   // stage three, as the loads can only start once the previous tile is done.
   const int m_first = (m_lo / kBlockM) * kBlockM;
@@ -334,9 +334,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
     if (p.dq_semaphore) {
       // Deterministic: the key blocks that see this query block add to it one after the other,
       // from the last down (the semaphore counts those done).
-      const int m_block = m0 / kBlockM;
-      semaphore = p.dq_semaphore + (static_cast<long long>(b) * p.nheads + hq) * ((p.seqlen_q + kBlockM - 1) / kBlockM) +
-                  m_block;
+      const int blocks_m = (p.seqlen_q + kBlockM - 1) / kBlockM;  // of the longest sequence
+      semaphore = p.dq_semaphore + (static_cast<long long>(b) * p.nheads + hq) * blocks_m + m0 / kBlockM;
       if (tid == 0) {
         const int turn = key_blocks<kBlockN>(m0, kBlockM, seqlen_q, seqlen_k, left, right).n_max - 1 - n_block;
         while (ld_acquire_gpu(semaphore) != turn) {
