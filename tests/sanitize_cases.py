@@ -30,7 +30,7 @@ for backend in BACKENDS:
     out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True, backend=backend)
     print(backend, "varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
 # the backward (bwd_sm80), each tile shape of its table: Pᵀ in registers (32, 64) or through shared
-# memory (96-256), 32-query blocks (224); GQA, sliding window, softcap, ragged tails, key blocks no
+# memory (96-256), 224 padded to 256's kernel; GQA, sliding window, softcap, ragged tails, key blocks no
 # query sees, a padded head dim; deterministic (ordered dQ) and varlen with an empty sequence
 for dtype, d, kw in (("bfloat16", 64, dict(window=(10, 0))), ("float16", 32, dict(window=(10, 0))),
                      ("bfloat16", 128, dict(causal=True, deterministic=True)), ("float16", 80, dict(softcap=4.0)),

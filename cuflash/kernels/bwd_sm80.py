@@ -15,9 +15,16 @@ from . import CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, cxx_boo
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 
-# Compiled head dims, as the forward's: another multiple of 8 runs on the next one up (its extra
-# columns zero-filled on load, never stored).
-HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# Compiled head dims: another multiple of 8 runs on the next one up (its extra columns zero-filled
+# on load, never stored). 200-256 all run on 256: 224's own kernel only fits the registers with
+# 32 x 32 tiles, and 256's 64 x 64 one is faster even with the padding (H100: 0.60-0.71x FA2 for
+# 224's own, ~0.8x for 224 on 256's counting 224's FLOPs).
+HEADDIMS = (32, 64, 96, 128, 160, 192, 256)
+
+
+def compiled_headdim(headdim: int) -> int:
+    """The compiled head dim a call's head dim runs on (the kernel and its dQ accumulator)."""
+    return next(h for h in HEADDIMS if h >= headdim)
 
 # The tile table: per compiled head dim, (block_m, block_n, warps, stages) in order of preference;
 # the first whose shared memory fits the GPU is used. Warps own 16 keys each; where there are more
@@ -35,8 +42,6 @@ TILES = {
     128: ((64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 8, 1)),
     160: ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1)),
     192: ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1)),
-    # (64, 64, 8) and (64, 32, 4) spill on sm_80; 4 warps per key group don't divide 224
-    224: ((32, 32, 4, 2), (32, 32, 4, 1)),
     # 64 keys: +45-55% on H100 over 64 x 32; on sm_86 only 16-key blocks fit (32 x 32 x 4 spills)
     256: ((64, 64, 8, 2), (64, 64, 8, 1), (64, 16, 4, 1)),
 }
@@ -147,7 +152,7 @@ def select(problem, inputs) -> BwdSm80Variant:
     check_headdim("bwd_sm80", problem.headdim, HEADDIMS[-1])
     require_rows_aligned("bwd_sm80", inputs, ("q", "k", "v", "dout"), ELEMENT_BYTES)
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
-    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    headdim = compiled_headdim(problem.headdim)
     smem_limit = int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"])
     tiles = _tiles(headdim, smem_limit)
     return BwdSm80Variant(problem.dtype, headdim, *tiles, problem.softcap > 0)
@@ -165,7 +170,7 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
                                                                          problem.seqlen_q)
     buffers = dict(delta=(lse_shape, "float32"),
-                   dq_accum=((rows_q, problem.nheads, 32 * math.ceil(problem.headdim / 32)), "float32"))
+                   dq_accum=((rows_q, problem.nheads, compiled_headdim(problem.headdim)), "float32"))
     if problem.deterministic:
         buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
     return buffers
