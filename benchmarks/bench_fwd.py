@@ -115,7 +115,7 @@ def run_torch(args) -> list[dict]:
             return call
 
         if args.backward:
-            impls = backward_impls(torch, cuflash, peer, SDPBackend, q, k, v, qt, kt, vt, causal, g)
+            impls = backward_impls(q, k, v, causal, g)
         else:
             impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal),
                      "cuflash-sm80": lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80"),
@@ -164,17 +164,23 @@ def run_torch(args) -> list[dict]:
     return rows
 
 
-def backward_impls(torch, cuflash, peer, SDPBackend, q, k, v, qt, kt, vt, causal, g) -> dict:
+def backward_impls(q, k, v, causal, g) -> dict:
     """The backward of each implementation, its forward done once up front (torch-flash first: the
     reference of the error column)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash
+
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     impls = {}
     for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
-        leaves = [x.detach().requires_grad_() for x in (qt, kt, vt)]
+        leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]  # SDPA's layout
         try:
-            with torch.nn.attention.sdpa_kernel(backend):
-                ot = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            with sdpa_kernel(backend):
+                ot = sdpa(*leaves, is_causal=causal)
         except RuntimeError as e:
             print(f"  {name} unavailable: {str(e)[:120]}", flush=True)
             continue

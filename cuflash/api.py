@@ -5,7 +5,6 @@ given and what is expected. Nothing below this module re-validates user input.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -154,7 +153,8 @@ def _check_flag(name: str, value: Any) -> bool:
 # ----------------------------------------------------------------------------- dense attention
 
 
-def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, backend: Any = None) -> Problem:
+def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, backend: Any = None,
+                       deterministic: bool = False) -> Problem:
     """Checks shared by the dense forward and backward: q, k, v layout, GQA, dtype, strides."""
     q, k, v = infos["q"], infos["k"], infos["v"]
     for info in (q, k, v):
@@ -177,7 +177,8 @@ def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, ba
     _check_dtype_supported(op, q)
     return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
-                   headdim=headdim, **_features(headdim, *features), backend=_check_backend(backend, op, q.device))
+                   headdim=headdim, **_features(headdim, *features), backend=_check_backend(backend, op, q.device),
+                   deterministic=deterministic)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
@@ -220,8 +221,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     deterministic = _check_flag("deterministic", deterministic)
     infos = _describe_all(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
     problem = _attention_problem("attention_backward", {n: infos[n] for n in ("q", "k", "v")},
-                                 (causal, softmax_scale, window, softcap), backend)
-    problem = dataclasses.replace(problem, deterministic=deterministic)
+                                 (causal, softmax_scale, window, softcap), backend, deterministic)
     for name in ("dout", "out"):
         _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
         _check_unit_last_stride(infos[name])
@@ -290,7 +290,7 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
 
 
 def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any], max_seqlen_q, max_seqlen_k,
-                    features: tuple, backend: Any = None) -> Problem:
+                    features: tuple, backend: Any = None, deterministic: bool = False) -> Problem:
     q, k, v = infos["q"], infos["k"], infos["v"]
     for info in (q, k, v):
         _check_rank(info, 3, _VARLEN_LAYOUT)
@@ -317,7 +317,7 @@ def _varlen_problem(op: str, infos: dict[str, ArrayInfo], named: dict[str, Any],
     return Problem(op=op, framework=q.framework, device=q.device, dtype=dtype, batch=batch,
                    seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), nheads=nheads, nheads_kv=nheads_kv,
                    headdim=headdim, total_q=total_q, total_k=total_k, **_features(headdim, *features),
-                   backend=_check_backend(backend, op, q.device))
+                   backend=_check_backend(backend, op, q.device), deterministic=deterministic)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -350,8 +350,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     infos = _describe_all(named)
     problem = _varlen_problem("attention_varlen_backward", infos, named, max_seqlen_q, max_seqlen_k,
-                              (causal, softmax_scale, window, softcap), backend)
-    problem = dataclasses.replace(problem, deterministic=deterministic)
+                              (causal, softmax_scale, window, softcap), backend, deterministic)
     for name in ("dout", "out"):
         _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
         _check_unit_last_stride(infos[name])

@@ -73,6 +73,12 @@ def require_rows_aligned(family: str, inputs, names, itemsize: int) -> None:
                              f"{array.strides}); pass a contiguous copy")
 
 
+def compiled_headdim(headdim: int, compiled: tuple[int, ...]) -> int:
+    """The smallest of a family's compiled head dims (ascending) that holds `headdim`: a call's head
+    dim runs on it, its extra columns zero-filled on load and never stored."""
+    return next(h for h in compiled if h >= headdim)
+
+
 def cxx_bool(flag: bool) -> str:
     """A template argument's spelling of a bool."""
     return "true" if flag else "false"

@@ -3,12 +3,11 @@ backward (cuda_src/bwd_preprocess.cu). Memory-bound: it reads dout and out once 
 4 bytes per row."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz, rows_aligned
+from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, rows_aligned
 
 # Compiled head dims; a smaller one runs on the next one up, reading only its own columns.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -55,7 +54,7 @@ VARIANTS = tuple(BwdPreprocessVariant(dtype, headdim, vec)
 def select(problem, inputs) -> BwdPreprocessVariant:
     if not 0 < problem.headdim <= HEADDIMS[-1]:
         raise ValueError(f"bwd_preprocess takes head dims up to {HEADDIMS[-1]}; got {problem.headdim}")
-    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    headdim = compiled_headdim(problem.headdim, HEADDIMS)
     vec = 8 if problem.headdim % 8 == 0 and all(rows_aligned(inputs[n], 2) for n in ("out", "dout")) else 1
     return BwdPreprocessVariant(problem.dtype, headdim, vec)
 

@@ -4,6 +4,7 @@ and kv head; dK, dV in registers, dQ added to a float32 buffer with atomics, in 
 deterministic), then dQ converted to the input dtype. Dense and varlen."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -11,8 +12,10 @@ import numpy as np
 
 from .. import jit
 from ..arrays import DeviceArray
-from . import CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, cxx_bool, require_rows_aligned
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
+from . import (CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, compiled_headdim, cxx_bool,
+               require_rows_aligned)
+from .forward import (ELEMENT_BYTES, check_headdim, cu_seqlens_pointers, kernel_window, row_strides,
+                      softmax_constants, token_strides)
 from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 
 # Compiled head dims: another multiple of 8 runs on the next one up (its extra columns zero-filled
@@ -20,11 +23,6 @@ from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 # 32 x 32 tiles, and 256's 64 x 64 one is faster even with the padding (H100: 0.60-0.71x FA2 for
 # 224's own, ~0.8x for 224 on 256's counting 224's FLOPs).
 HEADDIMS = (32, 64, 96, 128, 160, 192, 256)
-
-
-def compiled_headdim(headdim: int) -> int:
-    """The compiled head dim a call's head dim runs on (the kernel and its dQ accumulator)."""
-    return next(h for h in HEADDIMS if h >= headdim)
 
 # The tile table: per compiled head dim, (block_m, block_n, warps, stages) in order of preference;
 # the first whose shared memory fits the GPU is used. Warps own 16 keys each; where there are more
@@ -57,7 +55,7 @@ BWD_PARAMS = np.dtype(
                                      "window_right")]
     + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")],
     align=True)
-assert BWD_PARAMS.itemsize == 320, "keep in step with static_assert(sizeof(BwdParams) == 312)"
+assert BWD_PARAMS.itemsize == 320, "keep in step with static_assert(sizeof(BwdParams) == 320)"
 PARAMS_BYTES = np.dtype((np.void, BWD_PARAMS.itemsize))
 
 
@@ -152,25 +150,25 @@ def select(problem, inputs) -> BwdSm80Variant:
     check_headdim("bwd_sm80", problem.headdim, HEADDIMS[-1])
     require_rows_aligned("bwd_sm80", inputs, ("q", "k", "v", "dout"), ELEMENT_BYTES)
     check_grid_yz("bwd_sm80", problem.nheads_kv, problem.batch)
-    headdim = compiled_headdim(problem.headdim)
+    headdim = compiled_headdim(problem.headdim, HEADDIMS)
     smem_limit = int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"])
     tiles = _tiles(headdim, smem_limit)
     return BwdSm80Variant(problem.dtype, headdim, *tiles, problem.softcap > 0)
 
 
-def _token_strides(problem, x) -> tuple[int, int, int]:
-    """(batch, sequence, head) strides; varlen arrays are (total, heads, dim), with no batch stride."""
-    return (0, *x.strides[:2]) if problem.varlen else tuple(x.strides[:3])
+def _query_rows(problem) -> int:
+    """Query rows over all sequences: the dQ accumulator's first dimension."""
+    return problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     """delta (laid out like lse), the float32 dQ accumulator (rows, heads, compiled head dim) and,
     when deterministic, the per-query-block semaphores (for 16-query blocks, the smallest)."""
-    rows_q = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    rows_q = _query_rows(problem)
     lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
                                                                          problem.seqlen_q)
     buffers = dict(delta=(lse_shape, "float32"),
-                   dq_accum=((rows_q, problem.nheads, compiled_headdim(problem.headdim)), "float32"))
+                   dq_accum=((rows_q, problem.nheads, compiled_headdim(problem.headdim, HEADDIMS)), "float32"))
     if problem.deterministic:
         buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
     return buffers
@@ -186,7 +184,7 @@ def _zero(stream, *arrays_: DeviceArray, itemsize: int) -> None:
 
 def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
     dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
-    rows_q = problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    rows_q = _query_rows(problem)
     if rows_q * problem.nheads == 0 or math.prod(dk.shape) == 0:
         # no query sees a key (or there are none): zero gradients; the outputs are contiguous
         _zero(stream, dq, dk, dv, itemsize=ELEMENT_BYTES)
@@ -204,13 +202,11 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
     bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, device), pre_problem, pre_inputs,
                           dict(delta=delta), stream)
     scale_log2, softcap_exp2_scale, softcap = softmax_constants(problem)
-    _, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
-    delta_strides = (0, delta.strides[0]) if problem.varlen else delta.strides[:2]
     params = np.empty(1, BWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr, cu_q, cu_k,
-                 0 if semaphore is None else semaphore.ptr,
-                 *(s for x in (q, k, v, dout, dk, dv) for s in _token_strides(problem, x)), *lse_strides,
-                 *delta_strides, problem.seqlen_q, problem.seqlen_k, problem.nheads,
+    params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr,
+                 *cu_seqlens_pointers(problem, inputs), 0 if semaphore is None else semaphore.ptr,
+                 *(s for x in (q, k, v, dout, dk, dv) for s in token_strides(problem, x)), *row_strides(problem, lse),
+                 *row_strides(problem, delta), problem.seqlen_q, problem.seqlen_k, problem.nheads,
                  problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  problem.softmax_scale, scale_log2, softcap_exp2_scale, softcap)
     grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
@@ -219,7 +215,7 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
             function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
     dq_variant = BwdSm80DqVariant(problem.dtype, variant.headdim)
     pairs = rows_q * problem.nheads * (variant.headdim // 2)
-    dq_strides = _token_strides(problem, dq)
+    dq_strides = token_strides(problem, dq)
     with stream:
         jit.get_function(dq_variant, device)((math.ceil(pairs / 256),), (256,), (
             np.uint64(dq_accum.ptr), np.uint64(dq.ptr), np.int32(rows_q * problem.nheads),
@@ -229,8 +225,6 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
 
 def _as_one_sequence(problem):
     """A varlen problem's rows as one dense sequence (for the row-wise preprocess)."""
-    import dataclasses
-
     return dataclasses.replace(problem, op="backward_preprocess", batch=1, seqlen_q=problem.total_q,
                                seqlen_k=problem.total_q, total_q=0, total_k=0)
 

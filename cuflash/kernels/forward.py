@@ -16,13 +16,28 @@ def check_headdim(family: str, headdim: int, largest: int) -> None:
                          f"got {headdim}")
 
 
+def token_strides(problem, x) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides in elements of q, k, v, out or their gradients, as the sm80
+    kernels' parameter structs take them: varlen arrays are (total, heads, dim), with no batch
+    stride (sequences start at cu_seqlens)."""
+    return (0, *x.strides[:2]) if problem.varlen else tuple(x.strides[:3])
+
+
+def row_strides(problem, x) -> tuple[int, int]:
+    """(batch, head) strides of a per-query-row float32 array (lse, delta): (batch, heads, seqlen),
+    or (heads, total) for varlen."""
+    return (0, x.strides[0]) if problem.varlen else tuple(x.strides[:2])
+
+
+def cu_seqlens_pointers(problem, inputs) -> tuple[int, int]:
+    """Device addresses of cu_seqlens_q and cu_seqlens_k; 0 (null) for dense problems."""
+    return (inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr) if problem.varlen else (0, 0)
+
+
 def output_strides(problem, inputs, out, lse):
     """Strides of out (elements) and lse for the kernels' parameter structs, and the cu_seqlens
-    pointers: varlen tensors are (total, heads, dim) with no batch stride, sequences starting at
-    cu_seqlens."""
-    if problem.varlen:
-        return (0, *out.strides[:2]), (0, lse.strides[0]), inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr
-    return out.strides[:3], lse.strides[:2], 0, 0
+    pointers."""
+    return (token_strides(problem, out), row_strides(problem, lse), *cu_seqlens_pointers(problem, inputs))
 
 
 def kernel_window(problem) -> tuple[int, int]:

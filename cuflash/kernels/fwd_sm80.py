@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import jit
-from . import CXX_TYPES, Family, Variant, check_grid_yz, cxx_bool, require_rows_aligned
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
+from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool, require_rows_aligned
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants, token_strides
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
@@ -125,7 +125,7 @@ def select(problem, inputs) -> FwdSm80Variant:
     check_headdim("fwd_sm80", problem.headdim, HEADDIMS[-1])
     require_rows_aligned("fwd_sm80", inputs, ("q", "k", "v"), ELEMENT_BYTES)
     check_grid_yz("fwd_sm80", problem.nheads, problem.batch)
-    headdim = HEADDIMS[math.ceil(problem.headdim / 32) - 1]
+    headdim = compiled_headdim(problem.headdim, HEADDIMS)
     tiles = _tiles(headdim, problem.varlen, int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"]))
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
 
@@ -137,10 +137,9 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     out, lse = outputs["out"], outputs["lse"]
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
-    token_strides = [(0, *x.strides[:2]) if problem.varlen else x.strides[:3] for x in (q, k, v)]
     params = np.empty(1, FWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k, *token_strides[0], *token_strides[1],
-                 *token_strides[2], *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
+    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k,
+                 *(s for x in (q, k, v) for s in token_strides(problem, x)), *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
                  problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
                  *softmax_constants(problem), 0)
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
