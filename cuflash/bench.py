@@ -1,0 +1,377 @@
+"""The benchmark harness: cuflash against its peers, interleaved on one GPU.
+
+FlashAttention-3 sizing: batch * seqlen = 16k tokens, nheads * headdim = 2048. The implementations
+of one configuration are timed A B C A B C ... with CUDA events and no synchronisation until the
+end (host work overlaps the GPU as in a training step, and an implementation whose host time
+exceeds its kernel time still shows it); each gets the median of many repetitions. Peers in the
+same process: torch SDPA's FLASH_ATTENTION backend (FlashAttention-2 inside PyTorch) and its
+CUDNN_ATTENTION backend. JAX's cuDNN attention runs in its own process (JAX takes most of the GPU's
+memory when it starts), timed over back-to-back calls. Every row records the SM clock, temperature
+and throttle reasons; a throttled row is marked.
+
+Backward rows time the backward alone (the forward's out and lse are inputs), FLOPs counted as
+2.5x the forward's (five GEMMs against two), against torch SDPA's backward of the same backend.
+
+Used by `python -m cuflash` (a quick set of sizes) and `benchmarks/bench_fwd.py` (the full grid and
+tuning options). Without PyTorch, cuflash is timed alone on CuPy arrays.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+TOKENS = 16384
+HIDDEN = 2048
+BACKWARD_FLOPS = 2.5  # per forward FLOP
+# Throttle reasons that make a timing unusable (nvidia-smi clocks_event_reasons bits): HW slowdown,
+# SW thermal, HW thermal, HW power brake. Idle (0x1) and the SW power cap under load are normal.
+BAD_THROTTLE = 0x8 | 0x20 | 0x40 | 0x80
+MIN_SM_CLOCK_MHZ = 1200
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str
+    headdim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+
+    def flops(self, backward: bool = False) -> float:
+        f = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.headdim
+        f *= BACKWARD_FLOPS if backward else 1.0
+        return f / 2 if self.causal else f
+
+    def label(self) -> str:
+        return f"{self.dtype} d={self.headdim:3d} causal={int(self.causal)} s={self.seqlen:5d}"
+
+
+def configs(dtypes, headdims, causal, seqlens) -> list[Config]:
+    """The FA3-sized grid, in the order it is run (seqlen fastest)."""
+    return [Config(dtype, headdim, c, seqlen, TOKENS // seqlen, HIDDEN // headdim)
+            for dtype in dtypes for headdim in headdims for c in causal for seqlen in seqlens]
+
+
+def gpu_state() -> dict:
+    """SM clock, temperature, throttle reasons (nvidia-smi); `throttled` marks an unusable timing."""
+    fields = "name,clocks.sm,clocks.max.sm,temperature.gpu,clocks_event_reasons.active,driver_version"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return dict(gpu=_gpu_name(), sm_clock_mhz=None, max_sm_clock_mhz=None, temperature_c=None,
+                    throttle_reasons=None, driver=None, throttled=None)
+    name, clock, max_clock, temp, reasons, driver = (x.strip() for x in line.split(","))
+    reasons = int(reasons, 16)
+    return dict(gpu=name, sm_clock_mhz=int(clock), max_sm_clock_mhz=int(max_clock), temperature_c=int(temp),
+                throttle_reasons=hex(reasons), driver=driver,
+                throttled=bool(reasons & BAD_THROTTLE) or int(clock) < MIN_SM_CLOCK_MHZ)
+
+
+def _gpu_name() -> str:
+    from . import jit
+
+    return jit.device_properties(0)["name"].decode()
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    from . import __version__
+
+    found = {"cuflash": __version__}
+    for dist in ("torch", "jax", "jaxlib", "cupy-cuda12x", "cupy-cuda13x", "nvidia-cudnn-cu12", "nvidia-cudnn-cu13"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if "torch" in sys.modules:
+        found["torch.backends.cudnn"] = sys.modules["torch"].backends.cudnn.version()
+    return found
+
+
+def progress(items, desc: str):
+    """`items` with a progress bar (tqdm) where tqdm is installed, else as they are."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{desc} ({len(items)})", flush=True)
+        return items
+    return tqdm(items, desc=desc, unit="config", dynamic_ncols=True)
+
+
+def say(message: str) -> None:
+    """Print a line without breaking a progress bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(message, flush=True)
+        return
+    tqdm.write(message)
+
+
+class _Torch:
+    """Arrays and timing through PyTorch (peers: torch SDPA's flash and cuDNN backends)."""
+
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def randn(self, shape, dtype: str, generator):
+        return self.torch.randn(shape, device="cuda", dtype=getattr(self.torch, dtype), generator=generator)
+
+    def generator(self, seed: int):
+        return self.torch.Generator(device="cuda").manual_seed(seed)
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)
+
+    def synchronize(self):
+        self.torch.cuda.synchronize()
+
+    def max_abs_diff(self, a, b) -> float:
+        return (a.float() - b.float()).abs().max().item()
+
+    def peers(self, q, k, v, causal: bool, backward: bool, dout=None) -> dict:
+        """torch SDPA's FlashAttention-2 and cuDNN backends, forward or backward (their outputs in
+        cuflash's (batch, seqlen, heads, dim) layout). A backend that cannot run the configuration
+        is left out with a message."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        impls = {}
+        for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            if backward:
+                leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]  # SDPA's layout
+                try:
+                    with sdpa_kernel(backend):
+                        ot = sdpa(*leaves, is_causal=causal)
+                except RuntimeError as e:
+                    say(f"  {name} unavailable: {str(e)[:120]}")
+                    continue
+                impls[name] = (lambda ot=ot, leaves=leaves: tuple(
+                    g.transpose(1, 2) for g in self.torch.autograd.grad(ot, leaves, dout.transpose(1, 2),
+                                                                          retain_graph=True)))
+            else:
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+                def call(backend=backend):
+                    with sdpa_kernel(backend):
+                        return sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
+                impls[name] = call
+        return impls
+
+
+class _CuPy:
+    """Arrays and timing through CuPy: cuflash alone (no peer runs on CuPy arrays)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def randn(self, shape, dtype: str, generator):
+        import numpy as np
+
+        from .arrays import _bfloat16
+
+        # On the host: CuPy's own generators do not produce bfloat16.
+        x = generator.standard_normal(shape, dtype=np.float32)
+        return self.cupy.asarray(x.astype(_bfloat16() if dtype == "bfloat16" else dtype))
+
+    def generator(self, seed: int):
+        import numpy as np
+
+        return np.random.default_rng(seed)
+
+    def event(self):
+        return self.cupy.cuda.Event()
+
+    def elapsed_ms(self, start, end) -> float:
+        return self.cupy.cuda.get_elapsed_time(start, end)
+
+    def synchronize(self):
+        self.cupy.cuda.Device().synchronize()
+
+    def max_abs_diff(self, a, b) -> float:
+        return float(abs(a.astype(self.cupy.float32) - b.astype(self.cupy.float32)).max())
+
+    def peers(self, q, k, v, causal: bool, backward: bool, dout=None) -> dict:
+        return {}
+
+
+def array_backend():
+    """PyTorch when it has CUDA (so its peers run), else CuPy."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return _Torch()
+    except ImportError:
+        pass
+    return _CuPy()
+
+
+def host_overhead_us(xp) -> float:
+    """Microseconds of host time per cuflash.attention call on a tiny problem (launch-bound)."""
+    import cuflash
+
+    q = xp.randn((1, 128, 1, 64), "bfloat16", xp.generator(0))
+    for _ in range(10):
+        cuflash.attention(q, q, q)
+    xp.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        cuflash.attention(q, q, q)
+    xp.synchronize()
+    return (time.perf_counter() - t0) / 200 * 1e6
+
+
+def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
+    """name -> call for one configuration: the peers first (torch-flash is the error column's
+    reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced)
+    and "deterministic" (the backward with deterministic=True)."""
+    import cuflash
+
+    g = xp.generator(config.seqlen * config.headdim)
+    shape = (config.batch, config.seqlen, config.nheads, config.headdim)
+    q, k, v = (xp.randn(shape, config.dtype, g) for _ in range(3))
+    causal = config.causal
+    if not backward:
+        impls = xp.peers(q, k, v, causal, backward=False)
+        impls["cuflash"] = lambda: cuflash.attention(q, k, v, causal=causal)
+        if "sm80" in extra:
+            impls["cuflash-sm80"] = lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80")
+        return impls
+    dout = xp.randn(shape, config.dtype, g)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    impls = xp.peers(q, k, v, causal, backward=True, dout=dout)
+    impls["cuflash"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    if "deterministic" in extra:
+        impls["cuflash-deterministic"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                            deterministic=True)
+    return impls
+
+
+def time_interleaved(xp, impls: dict, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Milliseconds of each call, A B C A B C ..., one synchronisation at the end."""
+    for _ in range(warmup):
+        for call in impls.values():
+            call()
+    events = {name: [] for name in impls}
+    xp.synchronize()
+    for _ in range(reps):
+        for name, call in impls.items():
+            start, end = xp.event(), xp.event()
+            start.record()
+            call()
+            end.record()
+            events[name].append((start, end))
+    xp.synchronize()
+    return {name: [xp.elapsed_ms(s, e) for s, e in pairs] for name, pairs in events.items()}
+
+
+def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=None, annotate=None) -> list[dict]:
+    """Time cuflash and the peers on every configuration of `grid`; one row per implementation.
+    `annotate(impl, config)` may add fields to a row (e.g. the tile row a tuning run forced)."""
+    xp = xp or array_backend()
+    rows = []
+    for config in progress(grid, "backward" if backward else "forward"):
+        impls = implementations(xp, config, backward, extra)
+        outputs = {}
+        for name, call in list(impls.items()):
+            try:
+                result = call()
+            except (RuntimeError, NotImplementedError) as e:  # a peer that cannot run this configuration
+                say(f"  {name} unavailable for {config.label()}: {str(e)[:120]}")
+                del impls[name]
+                continue
+            outputs[name] = result[0] if backward else result  # out, or dq
+        ref = next(iter(outputs.values()))
+        errors = {name: xp.max_abs_diff(out, ref) for name, out in outputs.items()}
+        times = time_interleaved(xp, impls, reps, warmup)
+        state = gpu_state()
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            deciles = statistics.quantiles(ts, n=10)
+            rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops(backward) / ms / 1e9,
+                             spread_p10_p90=(deciles[-1] - deciles[0]) / ms, backward=backward,
+                             max_abs_diff_vs_first=errors[name], **(annotate(name, config) if annotate else {}),
+                             **state))
+        line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
+        clock = f"{state['sm_clock_mhz']} MHz {state['temperature_c']} C" if state["sm_clock_mhz"] else "clock unknown"
+        say(f"{config.label()}: {line}  [{clock}{' THROTTLED' if state['throttled'] else ''}]")
+    return rows
+
+
+def run_jax(grid: list[Config], reps: int = 30) -> list[dict]:
+    """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`), forward, in this
+    process: call it in a process of its own (run_jax_process)."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for config in grid:
+        keys = jax.random.split(jax.random.PRNGKey(config.seqlen * config.headdim), 3)
+        shape = (config.batch, config.seqlen, config.nheads, config.headdim)
+        q, k, v = (jax.random.normal(key, shape, getattr(jnp, config.dtype)) for key in keys)
+        f = jax.jit(lambda q, k, v, causal=config.causal: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+        try:
+            f(q, k, v).block_until_ready()
+        except Exception as e:  # cuDNN may not support a configuration
+            print(f"  jax-cudnn unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
+            continue
+        samples = []
+        for _ in range(max(reps // 5, 1)):
+            t0 = time.perf_counter()
+            for _ in range(5):  # back-to-back: XLA queues them, so dispatch overlaps the previous call
+                out = f(q, k, v)
+            out.block_until_ready()
+            samples.append((time.perf_counter() - t0) * 1e3 / 5)
+        ms = statistics.median(samples)
+        state = gpu_state()
+        rows.append(dict(impl="jax-cudnn", **asdict(config), ms=ms, tflops=config.flops() / ms / 1e9,
+                         backward=False, **state))
+        print(f"{config.label()}: jax-cudnn {rows[-1]['tflops']:6.1f}", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_jax_process(grid: list[Config], reps: int = 30) -> tuple[list[dict], str | None]:
+    """run_jax in a child process: (rows, None), or ([], why not) when JAX or its GPU backend is missing."""
+    script = ("import json, sys; from cuflash import bench; "
+              "grid = [bench.Config(**c) for c in json.loads(sys.argv[1])]; "
+              "print(json.dumps(bench.run_jax(grid, int(sys.argv[2]))))")
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return [], "JAX is not installed"
+    if probe.stdout.strip() != "gpu":
+        return [], f"JAX's backend here is {probe.stdout.strip()!r}, not gpu"
+    # This process's framework keeps its memory: JAX must not try to take 75% of the GPU up front.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    child = subprocess.run([sys.executable, "-c", script, json.dumps([asdict(c) for c in grid]), str(reps)],
+                           capture_output=True, text=True, env=env)
+    if child.returncode != 0:
+        return [], f"the JAX process failed: {child.stderr.strip().splitlines()[-1:]}"
+    return json.loads(child.stdout.strip().splitlines()[-1]), None
+
+
+def document(rows: list[dict], *, reps: int, command: str) -> dict:
+    """The JSON a run writes: its rows and what they were measured with."""
+    return dict(meta=dict(date=time.strftime("%Y-%m-%d"), versions=versions(), tokens=TOKENS, hidden=HIDDEN,
+                          reps=reps, command=command), rows=rows)

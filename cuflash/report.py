@@ -1,0 +1,143 @@
+"""Benchmark reports: the harness's JSON (cuflash.bench) as markdown tables and PNG charts.
+
+  python -m cuflash.report DIR     # DIR/fwd_*.json, DIR/bwd_*.json -> DIR/fwd.md, DIR/fwd_<dtype>.png, ...
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+# cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
+# cuflash-deterministic: the backward with deterministic=True, timed beside the default.
+PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn")
+# One colour per implementation in every chart (matplotlib's default cycle, in PEERS order).
+COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd")))
+LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
+          "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
+          "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN"}
+PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
+
+
+def _cells(rows: list[dict]) -> dict:
+    cells = defaultdict(dict)
+    for r in rows:
+        cells[(r["dtype"], r["headdim"], r["causal"], r["seqlen"])][r["impl"]] = r
+    return cells
+
+
+def _clock_range(rows: list[dict]) -> str:
+    clocks = sorted({r["sm_clock_mhz"] for r in rows if r.get("sm_clock_mhz")})
+    return f"SM clock {clocks[0]}-{clocks[-1]} MHz over the rows" if clocks else "SM clock not recorded"
+
+
+def render(results: list[dict], title: str = "Forward") -> str:
+    """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the clock."""
+    rows = [r for res in results for r in res["rows"]]
+    meta = results[0]["meta"]
+    cells = _cells(rows)
+    gpu = rows[0]["gpu"] if rows else "?"
+    peers = [p for p in PEERS if any(p in c for c in cells.values())]
+    out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
+           f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions; "
+           f"{_clock_range(rows)}).",
+           "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "",
+           "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN | clock MHz |",
+           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|"]
+    for key in sorted(cells):
+        c = cells[key]
+        if "cuflash" not in c:
+            continue
+        tf = lambda name: f"{c[name]['tflops']:.0f}" if name in c else "-"
+        ratio = lambda name: f"{c['cuflash']['tflops'] / c[name]['tflops']:.2f}" if name in c else "-"
+        flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
+        out.append(f"| {key[0]} | {key[1]} | {int(key[2])} | {key[3]} | {tf('cuflash')} | "
+                   + " | ".join(tf(p) for p in peers)
+                   + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
+    return "\n".join(out) + "\n"
+
+
+def chart(results: list[dict], path: Path, title: str = "Forward", dtype: str = "bfloat16") -> Path:
+    """A PNG: TFLOP/s against seqlen, one panel per (head dim, causal), one line per implementation.
+    Needs matplotlib (ImportError otherwise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for res in results for r in res["rows"] if r["dtype"] == dtype]
+    if not rows:
+        raise ValueError(f"no {dtype} rows to chart")
+    headdims = sorted({r["headdim"] for r in rows})
+    causals = sorted({bool(r["causal"]) for r in rows})
+    impls = [i for i in ("cuflash",) + PEERS if any(r["impl"] == i for r in rows)]
+    top = 1.08 * max(r["tflops"] for r in rows)
+    fig, axes = plt.subplots(len(causals), len(headdims), figsize=(4.2 * len(headdims), 3.4 * len(causals)),
+                             squeeze=False, sharey=True)
+    for i, causal in enumerate(causals):
+        for j, headdim in enumerate(headdims):
+            ax = axes[i][j]
+            for impl in impls:
+                pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                             if r["impl"] == impl and r["headdim"] == headdim and bool(r["causal"]) == causal)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", linewidth=2.4 if impl == "cuflash" else 1.4, label=LABELS[impl],
+                            color=COLORS[impl], zorder=3 if impl == "cuflash" else 2)
+            ax.set_xscale("log", base=2)
+            seqlens = sorted({r["seqlen"] for r in rows})
+            ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
+            ax.minorticks_off()
+            ax.set_title(f"head dim {headdim}, {'causal' if causal else 'non-causal'}", fontsize=10)
+            ax.set_xlabel("sequence length (tokens)")
+            if j == 0:
+                ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(0, top)
+            ax.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), frameon=False)
+    meta = results[0]["meta"]
+    fig.suptitle(f"{title}, {dtype}, {rows[0]['gpu']}, {meta['date']} ({_clock_range(rows)}; "
+                 f"batch*seqlen = {meta['tokens']}, nheads*headdim = {meta['hidden']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(directory: Path, charts: bool = True) -> list[Path]:
+    """fwd.md / bwd.md from DIR's JSON, and a PNG per pass and dtype when matplotlib is installed;
+    the paths written."""
+    written = []
+    for prefix, title in PASSES.items():
+        results = [json.loads(p.read_text()) for p in sorted(directory.glob(f"{prefix}_*.json"))]
+        if not results:
+            continue
+        md = directory / f"{prefix}.md"
+        md.write_text(render(results, title))
+        written.append(md)
+        if not charts:
+            continue
+        for dtype in sorted({r["dtype"] for res in results for r in res["rows"]}):
+            written.append(chart(results, directory / f"{prefix}_{dtype}.png", title.split(" (")[0], dtype))
+    return written
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+        charts = True
+    except ImportError:
+        print("matplotlib is not installed: markdown only (pip install matplotlib for the charts)", file=sys.stderr)
+        charts = False
+    for path in write(Path(argv[0]), charts):
+        print(path.read_text() if path.suffix == ".md" else f"chart: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
