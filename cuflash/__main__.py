@@ -1,4 +1,5 @@
-"""python -m cuflash: info | kernels | build."""
+"""python -m cuflash: the main job (check every kernel family this GPU runs against the reference,
+then benchmark cuflash against the peers it finds); info | kernels | build."""
 from __future__ import annotations
 
 import argparse
@@ -153,9 +154,117 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _show_reference() -> None:
+    """What the NumPy reference computes on a small problem: the CPU half of the main job."""
+    import numpy as np
+
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 6, 4, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 6, 2, 64)).astype(np.float16) for _ in range(2))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    print("The NumPy reference on a small problem: q (1, 6, 4, 64), k and v (1, 6, 2, 64) float16 (GQA, 2 query "
+          "heads per kv head), causal:")
+    print(f"  out {out.shape} {out.dtype}; out[0, :, 0, 0] = {np.round(out[0, :, 0, 0].astype(np.float32), 4)}")
+    print(f"  lse {lse.shape} {lse.dtype}; lse[0, 0] = {np.round(lse[0, 0], 4)}")
+    print("  row 0 sees only key 0, so out[0, 0, 0] equals v[0, 0, 0]: "
+          f"{out[0, 0, 0, 0]} == {v[0, 0, 0, 0]} ({bool(out[0, 0, 0, 0] == v[0, 0, 0, 0])})")
+
+
+QUICK = dict(headdims=(64, 128, 256), seqlens=(1024, 4096, 16384))
+FULL = dict(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384))
+
+
+def cmd_run(args) -> int:
+    """The main job."""
+    from pathlib import Path
+
+    gpus, reason = _gpus()
+    if not gpus:
+        _show_reference()
+        print(f"\nNo GPU: {reason}. cuflash's kernels need an NVIDIA GPU of compute capability 8.0 or newer "
+              "(A100, A10, L4, RTX 30xx/40xx, H100, H200); there `python -m cuflash` checks them against this "
+              "reference and benchmarks them against PyTorch's and JAX's attention.")
+        return 0
+    import numpy as np
+
+    from . import bench, check, jit, report
+
+    device = gpus[0]
+    cc = device["compute_capability"]
+    print(f"GPU 0: {device['name']}, compute capability {cc[0]}.{cc[1]} (kernels compiled for {jit.arch_for(cc)})")
+    if cc < (8, 0):
+        _show_reference()
+        print("cuflash's kernels need compute capability 8.0 or newer; this GPU runs none of them.")
+        return 1
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    cases = check.draw_cases(rng, cc, args.checks)
+    print(f"1. Checking {len(cases)} random configurations against the NumPy reference (seed {seed}; "
+          "`--seed` repeats them). Each kernel variant compiles on first use and is cached.")
+    failures = []
+    for case in bench.progress(cases, "checking"):
+        try:
+            outcome = check.run_case(case, rng)
+        except Exception as e:  # a compile error or a refused call is a failed check, reported in full
+            outcome = check.Outcome(case, False, f"{type(e).__name__}: {e}")
+        bench.say(f"  {'ok  ' if outcome.ok else 'FAIL'} {case.describe()}: {outcome.detail}")
+        if not outcome.ok:
+            failures.append(outcome)
+    if failures:
+        print(f"{len(failures)} of {len(cases)} checks FAILED (above); not benchmarking wrong kernels. "
+              f"Please report it with this output (seed {seed}).")
+        return 1
+    print(f"All {len(cases)} checks passed.")
+    if args.no_bench:
+        return 0
+    sizes = FULL if args.full else QUICK
+    grid = bench.configs(("bfloat16",), sizes["headdims"], (False, True), sizes["seqlens"])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xp = bench.array_backend()
+    peers = "torch SDPA (FlashAttention-2 and cuDNN backends)" if xp.name == "torch" else \
+        "no PyTorch with CUDA here, so cuflash alone on CuPy arrays"
+    print(f"2. Benchmarking, bf16, FlashAttention-3 sizing (batch*seqlen = {bench.TOKENS}, nheads*headdim = "
+          f"{bench.HIDDEN}), {len(grid)} configurations, forward then backward; peers: {peers}.")
+    command = "python -m cuflash " + " ".join(args.argv)
+    fwd = bench.run(grid, reps=args.reps, warmup=3, xp=xp)
+    (out_dir / f"fwd_{xp.name}.json").write_text(json.dumps(bench.document(fwd, reps=args.reps, command=command)))
+    jax_rows, why_not = bench.run_jax_process(grid, args.reps)
+    if jax_rows:
+        (out_dir / "fwd_jax.json").write_text(json.dumps(bench.document(jax_rows, reps=args.reps, command=command)))
+    else:
+        print(f"  JAX's cuDNN attention not measured: {why_not}")
+    bwd = bench.run(grid, backward=True, reps=args.reps, warmup=3, xp=xp)
+    (out_dir / f"bwd_{xp.name}.json").write_text(json.dumps(bench.document(bwd, reps=args.reps, command=command)))
+    try:
+        import matplotlib  # noqa: F401
+        charts = True
+    except ImportError:
+        charts = False
+    written = report.write(out_dir, charts)
+    for path in written:
+        if path.suffix == ".md":
+            print("\n" + path.read_text())
+    print("Written: " + ", ".join(str(p) for p in written)
+          + ("" if charts else " (no charts: pip install matplotlib)"))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
+    r = sub.add_parser("run", help="the main job, what `python -m cuflash` alone does: check every kernel family "
+                                   "this GPU runs against the reference, then benchmark against the peers")
+    r.add_argument("--out", default="cuflash-report", help="where the JSON, tables and charts go (default ./cuflash-report)")
+    r.add_argument("--checks", type=int, default=3, help="random configurations per kernel family and op (default 3)")
+    r.add_argument("--seed", type=int, default=None, help="repeat the checks of an earlier run")
+    r.add_argument("--no-bench", action="store_true", help="check only")
+    r.add_argument("--full", action="store_true", help="the full FlashAttention-3 grid (seqlens 512-16k) instead "
+                                                       "of the quick set (1k, 4k, 16k)")
+    r.add_argument("--reps", type=int, default=20, help="timed repetitions per implementation (default 20)")
     sub.add_parser("info", help="GPU, versions, frameworks, kernel families and whether they run here")
     k = sub.add_parser("kernels", help="compile every registered variant offline (no GPU needed) and report "
                                        "registers, spills, shared memory and SASS opcodes")
@@ -167,8 +276,11 @@ def main(argv=None) -> int:
     b.add_argument("--device", type=int, default=0)
     b.add_argument("--family", action="append", help="only this family (repeatable)")
     b.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]  # no command: the main job
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "kernels": cmd_kernels, "build": cmd_build}[args.command](args)
+    args.argv = argv[1:]
+    return {"run": cmd_run, "info": cmd_info, "kernels": cmd_kernels, "build": cmd_build}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,20 @@ def device_compute_capability(device_index: int) -> tuple[int, int]:
     return int(props["major"]), int(props["minor"])
 
 
+class CompileError(RuntimeError):
+    """NVRTC rejected a variant: the message names it and carries the whole log, which is also
+    written to a file (its path in the message) for a bug report."""
+
+    def __init__(self, variant, arch: str, log: str):
+        import tempfile
+
+        path = Path(tempfile.gettempdir()) / f"cuflash-compile-{hashlib.sha1(variant.uri.encode()).hexdigest()[:12]}.log"
+        path.write_text(f"{variant.uri}\narch {arch}\noptions {' '.join(compile_options(arch))}\n\n{log}\n")
+        self.log_path = path
+        super().__init__(f"cuflash could not compile {variant.uri} for {arch} (log: {path}; reproduce offline with "
+                         f"`python -m cuflash kernels --arch {arch} --family {variant.family}`):\n{log}")
+
+
 _functions: dict[tuple, object] = {}
 _lock = threading.Lock()
 
@@ -97,10 +111,13 @@ def get_function(variant, device_index: int):
         function = _functions.get((variant, device_index))
         if function is None:
             arch = arch_for(device_compute_capability(device_index))
-            module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
-                                    name_expressions=[variant.name_expression])
-            function = module.get_function(variant.name_expression)
-            function.compile()  # compile and load now, not at the first launch
+            try:
+                module = cupy.RawModule(code=program_source(variant), options=compile_options(arch),
+                                        name_expressions=[variant.name_expression])
+                function = module.get_function(variant.name_expression)
+                function.compile()  # compile and load now, not at the first launch
+            except cupy.cuda.compiler.CompileException as e:
+                raise CompileError(variant, arch, e.get_message()) from None
             if variant.dynamic_shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in
                 function.max_dynamic_shared_size_bytes = variant.dynamic_shared_bytes
             _functions[(variant, device_index)] = function

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: clocks, info, build, the GPU test suite, compute-sanitizer, and with
+# One call on the lent GPU machine: clocks, info, build, the main job's checks, the GPU test suite,
+# compute-sanitizer, and with
 # BENCH=1 the forward benchmark against the peers (BENCH_ARGS passes its options), with BENCH_BWD=1 the
 # backward's (BENCH_BWD_ARGS).
 # Usage there (from the repo root): bash tests/device_check.sh  — logs go to $OUT (or ./device-logs).
@@ -13,6 +14,7 @@ step() { local name=$1; shift; echo "=== $name: $*"; "$@" 2>&1 | tee "$OUT/$name
 smi | tee "$OUT/smi.log"
 step info python -m cuflash info
 step build python -m cuflash build
+step main_job python -m cuflash --no-bench --checks 5   # the main job's checks (fresh random draws)
 step gpu_tests python -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-}
 # memcheck and racecheck on aligned and misaligned, fp16 and bf16, small and odd shapes (CuPy only: lean process)
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_cases.py

@@ -1,0 +1,194 @@
+"""Check every kernel family this GPU runs against the NumPy reference, on fresh random configurations.
+
+The first half of `python -m cuflash`'s main job (the test suite is the thorough version: hypothesis
+over the whole contract, poisoned outputs, sanitizers). Each case draws shapes and features, runs
+one family forced through `backend=` on CuPy arrays, and compares with the float64 reference on the
+same fp16/bf16 inputs:
+- forward out: FlashAttention's criterion, max abs error at most 2x that of a plain low-precision
+  attention (softmax in float32, P rounded to the input dtype, PV accumulated in float32, the result
+  rounded) plus 1e-5; lse within 1e-3, relative.
+- gradients: max abs error at most 3 units of the dtype's epsilon times the largest reference value
+  plus 1e-4 (bwd_sm80 measured about 0.5 on H100; a wrong mask, block or sum is off by about the
+  largest value itself); the backward preprocess (float32
+  sums): 1e-5 relative.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import api, kernels, reference
+from .arrays import _bfloat16
+
+HEADDIMS = tuple(range(8, 257, 8))
+
+
+@dataclass
+class Case:
+    family: str
+    op: str
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    features: dict = field(default_factory=dict)
+    deterministic: bool = False
+    varlen: tuple[int, ...] = ()  # sequence lengths (queries and keys alike) of a packed case
+
+    def describe(self) -> str:
+        dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
+        shape = (f"seqlens {list(self.varlen)}" if self.varlen else
+                 f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k}")
+        feats = " ".join([f"{k}={v}" for k, v in self.features.items()] + ["deterministic"] * self.deterministic)
+        return f"{self.family:<14} {self.op:<26} {dt} {shape} h={self.nheads}/{self.nheads_kv} d={self.headdim} {feats}"
+
+
+@dataclass
+class Outcome:
+    case: Case
+    ok: bool
+    detail: str
+
+
+def draw_cases(rng: np.random.Generator, compute_capability, per_op: int = 3) -> list[Case]:
+    """`per_op` dense cases and one packed (varlen) case for every op of every family that runs on
+    this compute capability (backward_preprocess: one case)."""
+    cases = []
+    for family in kernels.FAMILIES.values():
+        if not family.runs_on(compute_capability):
+            continue
+        for op in family.ops:
+            count = 1 if op == "backward_preprocess" else per_op
+            for i in range(count):
+                cases.append(_draw(rng, family, op, varlen="varlen" in op, deterministic="backward" in op and i == 1))
+    return cases
+
+
+def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
+    dtype = str(rng.choice(sorted(family.dtypes)))
+    # Half the draws take a head dim the family compiles (the common case), half any multiple of 8.
+    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else HEADDIMS))
+    nheads_kv = int(rng.integers(1, 3))
+    nheads = nheads_kv * int(rng.choice((1, 2, 4)))
+    features = {}
+    if op != "backward_preprocess":
+        if rng.random() < 0.5:
+            features["causal"] = True
+        elif rng.random() < 0.3:
+            features["window"] = (int(rng.integers(0, 200)), int(rng.integers(0, 200)))
+        if rng.random() < 0.25:
+            features["softcap"] = float(rng.choice((5.0, 30.0)))
+    if varlen:
+        lengths = tuple(int(n) for n in rng.integers(1, 400, size=int(rng.integers(2, 5))))
+        return Case(family.name, op, dtype, len(lengths), max(lengths), max(lengths), nheads, nheads_kv, headdim,
+                    features, deterministic, lengths)
+    seqlen_q = int(rng.integers(1, 700))
+    seqlen_k = seqlen_q if op == "backward_preprocess" else int(rng.integers(1, 700))
+    return Case(family.name, op, dtype, int(rng.integers(1, 3)), seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
+                features, deterministic)
+
+
+def _round(x: np.ndarray, dtype: str) -> np.ndarray:
+    return x.astype(_bfloat16() if dtype == "bfloat16" else dtype)
+
+
+def _plain_forward(q, k, v, dtype: str, features: dict) -> np.ndarray:
+    """Attention as a plain low-precision implementation computes it (the criterion's yardstick)."""
+    p = reference.probabilities(q, k, compute_dtype=np.float32, **features)  # (B, H, Sq, Sk)
+    p = _round(p, dtype).astype(np.float32)
+    vv = np.repeat(v.astype(np.float32), q.shape[2] // k.shape[2], axis=2)
+    return _round(np.einsum("bhqk,bkhd->bqhd", p, vv), dtype).astype(np.float64)
+
+
+def _max_err(got, want, relative: bool = False) -> float:
+    """Max abs error (relative to max(1, |want|) if `relative`); inf where the non-finite entries
+    differ (a NaN, or a missing -inf lse)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
+        return float("inf")
+    err = np.abs(got[finite] - want[finite])
+    if relative:
+        err /= np.maximum(1.0, np.abs(want[finite]))
+    return float(err.max(initial=0.0))
+
+
+def _gradient_bound(want, dtype: str) -> float:
+    import ml_dtypes
+
+    eps = float(ml_dtypes.finfo(_bfloat16() if dtype == "bfloat16" else dtype).eps)
+    return 3 * eps * float(np.abs(want).max(initial=0.0)) + 1e-4
+
+
+def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outcome:
+    """Run one case on CuPy arrays with the case's family forced (on_gpu=False: on NumPy arrays,
+    through the reference itself; that is how the CPU tests check this checker)."""
+    if on_gpu:
+        import cupy as cp
+
+        put, get, backend = cp.asarray, cp.asnumpy, kernels.FAMILIES[case.family].backend
+    else:
+        put, get, backend = (lambda x: x), np.asarray, None
+    host = lambda *shape: _round(rng.standard_normal(shape, dtype=np.float32), case.dtype)
+    f64 = lambda x: np.asarray(x, np.float64)
+    if case.op == "backward_preprocess":
+        dout, out = host(case.batch, case.seqlen_q, case.nheads, case.headdim), host(case.batch, case.seqlen_q,
+                                                                                   case.nheads, case.headdim)
+        got = get(api.backward_preprocess(put(dout), put(out)))
+        want = reference.backward_preprocess(f64(dout), f64(out))
+        # float32 sums of the same products: only the summation order differs.
+        err, bound = _max_err(got, want), 1e-5 * float(np.abs(want).max(initial=0.0)) + 1e-5
+        return Outcome(case, err <= bound, f"delta err {err:.1e} <= {bound:.1e}")
+    if case.varlen:
+        total = sum(case.varlen)
+        q, k, v = (host(total, h, case.headdim) for h in (case.nheads, case.nheads_kv, case.nheads_kv))
+        cu = np.concatenate([[0], np.cumsum(case.varlen)]).astype(np.int32)
+        packed = (put(cu), put(cu), max(case.varlen), max(case.varlen))
+        ref = lambda fn, *xs: fn(*xs, cu, cu, **case.features)
+        forward, backward = reference.varlen_forward, reference.varlen_backward
+        call_forward = lambda *xs, **kw: api.attention_varlen(*xs, *packed, **kw)
+        call_backward = lambda *xs, **kw: api.attention_varlen_backward(*xs, *packed, **kw)
+    else:
+        shapes = ((case.batch, case.seqlen_q, case.nheads), (case.batch, case.seqlen_k, case.nheads_kv))
+        q, k, v = host(*shapes[0], case.headdim), host(*shapes[1], case.headdim), host(*shapes[1], case.headdim)
+        ref = lambda fn, *xs: fn(*xs, **case.features)
+        forward, backward = reference.forward, reference.backward
+        call_forward, call_backward = api.attention, api.attention_backward
+    dev = lambda *xs: [put(x) for x in xs]
+    want_out, want_lse = ref(forward, f64(q), f64(k), f64(v))
+    if case.op.endswith("_forward"):
+        out, lse = call_forward(*dev(q, k, v), return_lse=True, backend=backend, **case.features)
+        out, lse = get(out), get(lse)
+        if case.varlen:
+            plain_err = max(_max_err(_plain_forward(q[None, s], k[None, s], v[None, s], case.dtype, case.features),
+                                     want_out[None, s]) for s in _slices(case.varlen))
+        else:
+            plain_err = _max_err(_plain_forward(q, k, v, case.dtype, case.features), want_out)
+        err, bound = _max_err(out, want_out), 2 * plain_err + 1e-5
+        lse_err = _max_err(lse, want_lse, relative=True)
+        return Outcome(case, err <= bound and lse_err <= 1e-3,
+                       f"out err {err:.1e} <= {bound:.1e}, lse rel err {lse_err:.1e} <= 1e-3")
+    # Backward: the reference's out and lse (rounded as a forward would return them) are the inputs.
+    dout = host(*q.shape)
+    out = _round(want_out, case.dtype)
+    lse = want_lse.astype(np.float32)
+    grads = call_backward(*dev(dout, q, k, v, out, lse), backend=backend, deterministic=case.deterministic,
+                          **case.features)
+    wants = ref(backward, f64(dout), f64(q), f64(k), f64(v), f64(out), f64(lse))
+    parts, ok = [], True
+    for name, got, want in zip(("dq", "dk", "dv"), grads, wants):
+        err, bound = _max_err(get(got), want), _gradient_bound(want, case.dtype)
+        ok &= err <= bound
+        parts.append(f"{name} err {err:.1e} <= {bound:.1e}")
+    return Outcome(case, ok, ", ".join(parts))
+
+
+def _slices(lengths):
+    start = 0
+    for n in lengths:
+        yield slice(start, start + n)
+        start += n

@@ -1,0 +1,130 @@
+"""The main job (`python -m cuflash`) and its parts: the kernel check, the benchmark harness's
+sizing, the report (markdown and chart). On CPU here; the GPU half runs on the lent GPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import _cuda_available
+from cuflash import api, bench, check, report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(_cuda_available(), reason="the behaviour on a machine without a GPU")
+def test_main_job_without_gpu_runs_the_reference_and_says_why():
+    result = subprocess.run([sys.executable, "-m", "cuflash"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "The NumPy reference on a small problem" in result.stdout
+    assert "(True)" in result.stdout  # row 0 of the causal problem equals v's first row
+    assert "No GPU:" in result.stdout and "compute capability 8.0 or newer" in result.stdout
+
+
+@pytest.mark.parametrize("compute_capability", [(9, 0), (8, 0)])
+def test_check_draws_every_family_and_op_of_the_gpu(compute_capability):
+    cases = check.draw_cases(np.random.default_rng(0), compute_capability, per_op=3)
+    drawn = {(c.family, c.op) for c in cases}
+    families = {"fwd_sm80", "bwd_sm80", "bwd_preprocess"} | ({"fwd_sm90"} if compute_capability == (9, 0) else set())
+    assert {f for f, _ in drawn} == families
+    assert ("bwd_sm80", "attention_varlen_backward") in drawn and any(c.deterministic for c in cases)
+
+
+def _cases(seed=3):
+    return check.draw_cases(np.random.default_rng(seed), (9, 0), per_op=2)
+
+
+def test_check_passes_the_reference_itself():
+    rng = np.random.default_rng(3)
+    outcomes = [check.run_case(case, rng, on_gpu=False) for case in _cases()]
+    assert all(o.ok for o in outcomes), [o.detail for o in outcomes if not o.ok]
+
+
+def test_check_catches_wrong_outputs(monkeypatch):
+    """The criteria can fail: a forward off by one key (the softmax over one key too few) and a
+    backward with dk and dv scaled by 1.05 are caught."""
+    forward, backward = api.attention, api.attention_backward
+
+    def drop_last_key(q, k, v, **kw):
+        return forward(q, k[:, :-1], v[:, :-1], **kw) if k.shape[1] > 1 else forward(q, k, 0 * v, **kw)
+
+    def scaled(*args, **kw):
+        dq, dk, dv = backward(*args, **kw)
+        return dq, (dk.astype(np.float32) * 1.05).astype(dk.dtype), dv
+
+    monkeypatch.setattr(api, "attention", drop_last_key)
+    monkeypatch.setattr(api, "attention_backward", scaled)
+    rng = np.random.default_rng(3)
+    for case in _cases():
+        if case.op in ("attention_forward", "attention_backward"):
+            outcome = check.run_case(case, rng, on_gpu=False)
+            assert not outcome.ok, (case.describe(), outcome.detail)
+
+
+def test_bench_sizing_is_flashattention3s():
+    grid = bench.configs(["bfloat16"], [64, 256], [False, True], [512, 16384])
+    assert len(grid) == 8 and all(c.batch * c.seqlen == 16384 and c.nheads * c.headdim == 2048 for c in grid)
+    c = grid[0]
+    assert c.flops() == 4.0 * c.batch * c.nheads * c.seqlen ** 2 * c.headdim
+    causal = [g for g in grid if g.causal][0]
+    assert causal.flops(backward=True) == 2.5 * causal.flops() == 2.5 * 0.5 * 4.0 * 32 * 32 * 512 ** 2 * 64
+
+
+def _document(impls_tflops: dict, seqlens=(1024, 4096)) -> dict:
+    rows = [dict(impl=impl, dtype="bfloat16", headdim=hd, causal=causal, seqlen=s, tflops=tf * s / 4096,
+                 sm_clock_mhz=1980, throttled=False, gpu="NVIDIA H100 80GB HBM3")
+            for impl, tf in impls_tflops.items() for hd in (64, 128) for causal in (False, True) for s in seqlens]
+    return dict(meta=dict(date="2026-11-26", versions={"torch": "2.11.0"}, tokens=16384, hidden=2048, reps=20),
+                rows=rows)
+
+
+def test_report_tables_and_charts(tmp_path):
+    (tmp_path / "fwd_torch.json").write_text(json.dumps(_document({"cuflash": 600, "torch-flash": 300,
+                                                                   "torch-cudnn": 640})))
+    (tmp_path / "fwd_jax.json").write_text(json.dumps(_document({"jax-cudnn": 620})))
+    written = report.write(tmp_path, charts=True)
+    assert [p.name for p in written] == ["fwd.md", "fwd_bfloat16.png"]
+    table = (tmp_path / "fwd.md").read_text()
+    assert "| bfloat16 | 128 | 1 | 4096 | 600 | 300 | 640 | 620 | 2.00 | 0.94 | 1980 |" in table
+    png = (tmp_path / "fwd_bfloat16.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+@pytest.mark.gpu
+def test_main_job_checks_every_family_on_the_gpu():
+    result = subprocess.run([sys.executable, "-m", "cuflash", "--checks", "4", "--no-bench", "--seed", "0"], cwd=ROOT,
+                            capture_output=True, text=True)
+    print(result.stdout[-6000:])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "checks passed" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.gpu
+def test_bench_times_cuflash_alone_on_cupy_arrays():
+    """Without PyTorch the harness times cuflash on CuPy arrays (forward and backward)."""
+    grid = [bench.Config("bfloat16", 64, True, 1024, 2, 4)]
+    for backward in (False, True):
+        rows = bench.run(grid, backward=backward, reps=3, warmup=1, xp=bench._CuPy())
+        assert [r["impl"] for r in rows] == ["cuflash"] and rows[0]["tflops"] > 1 and rows[0]["backward"] == backward
+
+
+def test_a_compile_error_names_the_variant_and_keeps_its_log(monkeypatch):
+    """What a user sees when NVRTC rejects a kernel (simulated: no GPU compiles here)."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import jit, kernels
+
+    def reject(**kw):
+        raise cupy.cuda.compiler.CompileException("fwd_sm80.cu(12): error: something is wrong", "src", "name", ())
+
+    monkeypatch.setattr(cupy, "RawModule", reject)
+    monkeypatch.setattr(jit, "device_compute_capability", lambda index: (8, 0))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda index: __import__("contextlib").nullcontext())
+    variant = kernels.variants_for((8, 0), ["fwd_sm80"])[0]
+    with pytest.raises(jit.CompileError) as info:
+        jit.get_function(variant, 0)
+    message = str(info.value)
+    assert variant.uri in message and "sm_80" in message and "something is wrong" in message
+    assert "python -m cuflash kernels --arch sm_80 --family fwd_sm80" in message
+    assert "something is wrong" in info.value.log_path.read_text()
