@@ -168,6 +168,24 @@ def test_hopper_runs_fwd_sm90_by_default_and_falls_back_with_a_reason(caplog):
            dict(causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None))
 
 
+def test_hopper_keeps_fwd_sm90_for_zero_strides_of_size_one_axes():
+    """An axis of extent 1 may have stride 0 (CuPy's x[None], say), which TMA would refuse; TMA never
+    steps along it, so fwd_sm90 still serves the call, with the packed copy's result bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Hopper only")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+               for n, h in ((200, 2), (300, 1), (300, 1)))
+    zero = lambda x: x.as_strided((1,) + x.shape, (0,) + tuple(s if n > 1 else 0 for n, s in zip(x.shape, x.stride())))
+    q, k, v = zero(q), zero(k), zero(v)  # batch stride 0; k and v: head stride 0 too
+    assert q.stride(0) == 0 and k.stride()[::2] == (0, 0)
+    problem = _problem("attention_forward", q, k, None, causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    assert dispatch.plan(problem, {n: arrays.device_array(x) for n, x in zip("qkv", (q, k, v))})[0].name == "fwd_sm90"
+    packed = [torch.empty(x.shape, device="cuda", dtype=x.dtype).copy_(x) for x in (q, k, v)]
+    assert torch.equal(cuflash.attention(q, k, v, causal=True, backend="sm90"),
+                       cuflash.attention(*packed, causal=True, backend="sm90"))
+
+
 def test_public_entry_points_run_the_kernel():
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 333, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)

@@ -136,9 +136,14 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, .
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
-    """The strides TMA walks, in elements: heads, tokens (and batch when dense)."""
-    s = array.strides
-    return (s[1], s[0]) if problem.varlen else (s[2], s[1], s[0])
+    """The strides TMA walks, in elements: heads, tokens (and batch when dense). TMA never steps
+    along an axis of extent 1, so its stride (0 in an `x[None]` view, say) is replaced by the
+    packed one over the next inner axis, which the driver accepts."""
+    strides, packed = [], array.shape[-1]
+    for axis in ((1, 0) if problem.varlen else (2, 1, 0)):
+        strides.append(array.strides[axis] if array.shape[axis] > 1 else packed)
+        packed = strides[-1] * array.shape[axis]
+    return tuple(strides)
 
 
 def select(problem, inputs) -> FwdSm90Variant:
