@@ -122,7 +122,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 // kOInQ: O is staged for its stores in the Q tile (when shared memory has no room for a buffer of
 // its own), so Q is released only after the stores; otherwise right after the last GEMM.
 template <typename T, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong, bool kOInQ, bool kVarlen,
-          bool kSoftcap>
+          bool kSoftcap, bool kPassBy>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
   constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
@@ -325,6 +325,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
 
     if (t.kb.n_max > t.kb.n_min) {
+      // kPassBy: this warpgroup's own blocks. Under a causal or window mask its 64 rows may see fewer
+      // keys than the tile's last rows, and rows past seqlen_q (the tile's tail) see none. The blocks
+      // above them are passed by without GEMMs (full waited, empty arrived, ping-pong turns taken):
+      // the tensor cores the warpgroups share then run useful work only.
+      int n_top = t.kb.n_max;
+      if constexpr (kPassBy) {
+        const KeyBlocks own = key_blocks<kBlockN>(t.m0 + wg * 64, 64, t.seqlen_q, t.seqlen_k, window_left, window_right);
+        // (Broadcast like the tile index: the compiler then keeps it, and the loop bounds, uniform.)
+        n_top = __shfl_sync(0xffffffffu, own.n_max > own.n_min ? min(own.n_max, t.kb.n_max) : t.kb.n_min, 0);
+      }
       float s[kSAcc];
       unsigned pa[kPSteps][4];
 
@@ -381,55 +391,71 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       if constexpr (kPingPong) {
         if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
       }
-      // First block: S, softmax, P (O is still zero: no rescale).
-      mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
-      turn_begin();
-      wgmma_fence();
-      issue_qk(it() % kStages);
-      turn_end(false);
-      wgmma_wait<0>();
-      pin_registers(s);
-      arrive(k_empty(it() % kStages));
-      {
-        float correction[2];
-        softmax(t.kb.n_max - 1, correction);
-      }
-      pack_p();
-
-      for (int n = t.kb.n_max - 2; n >= t.kb.n_min; --n) {
-        const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
-        progress += 2;
-        const int slot = it() % kStages;
-        mbarrier_wait(k_full(slot), (it() / kStages) & 1);
-        mbarrier_wait(v_full(prev), prev_parity);
-        turn_begin();
-        wgmma_fence();  // O was rescaled and P written by ordinary instructions
-        issue_qk(slot);
-        issue_pv(prev);
-        turn_end(false);
-        wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
-        pin_registers(s);
+      for (int n = t.kb.n_max - 1; n >= n_top; --n) {  // waiting for full keeps the slots' phases in step
+        const int slot = it() % kStages, parity = (it() / kStages) & 1;
+        mbarrier_wait(k_full(slot), parity);
         arrive(k_empty(slot));
-        float correction[2];
-        softmax(n, correction);
+        mbarrier_wait(v_full(slot), parity);
+        arrive(v_empty(slot));
+        progress += 2;
+        turn_begin();  // one turn per block, as if it were computed
+        turn_end(false);
+      }
+      if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
+        turn_begin();
+        turn_end(true);
+        if constexpr (!kOInQ) arrive(q_empty);
+      } else {
+        // First block: S, softmax, P (O is still zero: no rescale).
+        mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
+        turn_begin();
+        wgmma_fence();
+        issue_qk(it() % kStages);
+        turn_end(false);
+        wgmma_wait<0>();
+        pin_registers(s);
+        arrive(k_empty(it() % kStages));
+        {
+          float correction[2];
+          softmax(n_top - 1, correction);
+        }
+        pack_p();
+
+        for (int n = n_top - 2; n >= t.kb.n_min; --n) {
+          const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
+          progress += 2;
+          const int slot = it() % kStages;
+          mbarrier_wait(k_full(slot), (it() / kStages) & 1);
+          mbarrier_wait(v_full(prev), prev_parity);
+          turn_begin();
+          wgmma_fence();  // O was rescaled and P written by ordinary instructions
+          issue_qk(slot);
+          issue_pv(prev);
+          turn_end(false);
+          wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
+          pin_registers(s);
+          arrive(k_empty(slot));
+          float correction[2];
+          softmax(n, correction);
+          wgmma_wait<0>();
+          pin_registers(o);
+          arrive(v_empty(prev));
+#pragma unroll
+          for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+          pack_p();
+        }
+        const int last = it() % kStages;
+        mbarrier_wait(v_full(last), (it() / kStages) & 1);
+        progress += 2;
+        turn_begin();
+        wgmma_fence();
+        issue_pv(last);
+        turn_end(true);
         wgmma_wait<0>();
         pin_registers(o);
-        arrive(v_empty(prev));
-#pragma unroll
-        for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
-        pack_p();
+        arrive(v_empty(last));
+        if constexpr (!kOInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
       }
-      const int last = it() % kStages;
-      mbarrier_wait(v_full(last), (it() / kStages) & 1);
-      progress += 2;
-      turn_begin();
-      wgmma_fence();
-      issue_pv(last);
-      turn_end(true);
-      wgmma_wait<0>();
-      pin_registers(o);
-      arrive(v_empty(last));
-      if constexpr (!kOInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
     }
 
     // ------------------------------------------------------------------ epilogue

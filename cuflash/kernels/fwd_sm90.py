@@ -34,6 +34,12 @@ TILES = {
     192: ((None, (2, 112, 2, True)),),
     256: ((None, (2, 80, 2, False)),),
 }
+# Per compiled head dim, (unmasked, masked): whether each consumer warpgroup passes by the key
+# blocks its own 64 rows do not see (above a causal or window diagonal, or all of them for rows past
+# seqlen_q) instead of computing them masked. Measured on H100 (benchmarks/NOTES-sm90.md, version
+# 11): +12 points of cuDNN's speed at head dim 64 causal 1k and +3-6 at 256 (masked or not, a
+# scheduling effect), but -3 at 64 unmasked 2k-4k and -1 to -2 at 128; 192 unmeasured.
+PASS_BY = {64: (False, True), 128: (False, False), 192: (False, False), 256: (True, True)}
 # Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
 # narrow blocks at 128), where nothing spills.
 SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2, True), 256: (2, 80, 2, False)}
@@ -84,6 +90,7 @@ class FwdSm90Variant(Variant):
     pingpong: bool  # consumers take turns issuing their GEMMs
     varlen: bool
     softcap: bool
+    pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
 
     def check(self) -> None:
         if self.dtype not in CXX_TYPES:
@@ -118,7 +125,8 @@ class FwdSm90Variant(Variant):
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_TYPES[self.dtype], str(self.headdim), str(self.consumers), str(self.block_n), str(self.stages),
-                cxx_bool(self.pingpong), cxx_bool(self.o_in_q), cxx_bool(self.varlen), cxx_bool(self.softcap))
+                cxx_bool(self.pingpong), cxx_bool(self.o_in_q), cxx_bool(self.varlen), cxx_bool(self.softcap),
+                cxx_bool(self.pass_by))
 
 
 def _rows(headdim: int, softcap: bool):
@@ -130,9 +138,9 @@ def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, b
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, hd, *tiles, varlen, softcap) for dtype in sorted(CXX_TYPES)
+    return tuple(FwdSm90Variant(dtype, hd, *tiles, varlen, softcap, pass_by) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
-                 for _, tiles in _rows(hd, softcap))
+                 for _, tiles in _rows(hd, softcap) for pass_by in sorted(set(PASS_BY[hd])))
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -158,7 +166,9 @@ def select(problem, inputs) -> FwdSm90Variant:
     headdim = ATOM * math.ceil(problem.headdim / ATOM)
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
-    variant = FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+    masked = problem.window_left >= 0 or problem.window_right >= 0
+    variant = FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
+                             PASS_BY[headdim][masked])
     # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
     if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
         raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too large")
