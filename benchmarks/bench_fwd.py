@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from cuflash import bench
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from cuflash import bench  # noqa: E402
 
 
 def tile_annotation(args):
@@ -30,8 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jax", action="store_true", help="run the JAX cuDNN peer (its own process)")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (torch peers)")
     parser.add_argument("--dtypes", default="bfloat16", type=lambda s: s.split(","))
-    parser.add_argument("--headdims", default="64,128,256", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384",
+    parser.add_argument("--headdims", default=",".join(map(str, bench.HEADDIMS)),
+                        type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--seqlens", default=",".join(map(str, bench.SEQLENS)),
                         type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--causal", default="0,1", type=lambda s: [bool(int(x)) for x in s.split(",")])
     parser.add_argument("--warmup", type=int, default=5)

@@ -4,8 +4,10 @@
                                          # DIR/bwd.md and DIR/{fwd,bwd}_<dtype>.png, prints the tables
 """
 import sys
+from pathlib import Path
 
-from cuflash.report import main
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from cuflash.report import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

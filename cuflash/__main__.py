@@ -25,8 +25,13 @@ def _gpus() -> tuple[list[dict], str | None]:
         return [], 'CuPy is not installed (pip install "cuflash[cuda12]")'
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver or no device
-        return [], f"no NVIDIA GPU is usable here ({type(e).__name__}: {e})"
+    except Exception as e:  # no driver, one too old for CuPy's CUDA, or no device
+        driver = cupy.cuda.runtime.driverGetVersion()  # 0: no driver at all
+        if driver == 0:
+            return [], "no NVIDIA driver is installed (or no GPU is present)"
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        return [], (f"no NVIDIA GPU is usable here: the driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, "
+                    f"CuPy was built for CUDA {runtime // 1000}.{runtime % 1000 // 10} ({type(e).__name__}: {e})")
     if count == 0:
         return [], "no NVIDIA GPU is visible"
     from . import jit
@@ -166,14 +171,13 @@ def _show_reference() -> None:
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     print("The NumPy reference on a small problem: q (1, 6, 4, 64), k and v (1, 6, 2, 64) float16 (GQA, 2 query "
           "heads per kv head), causal:")
-    print(f"  out {out.shape} {out.dtype}; out[0, :, 0, 0] = {np.round(out[0, :, 0, 0].astype(np.float32), 4)}")
-    print(f"  lse {lse.shape} {lse.dtype}; lse[0, 0] = {np.round(lse[0, 0], 4)}")
+    show = lambda x: np.array2string(np.asarray(x, np.float32), precision=4, floatmode="fixed")
+    print(f"  out {out.shape} {out.dtype}; out[0, :, 0, 0] = {show(out[0, :, 0, 0])}")
+    print(f"  lse {lse.shape} {lse.dtype}; lse[0, 0] = {show(lse[0, 0])}")
     print("  row 0 sees only key 0, so out[0, 0, 0] equals v[0, 0, 0]: "
           f"{out[0, 0, 0, 0]} == {v[0, 0, 0, 0]} ({bool(out[0, 0, 0, 0] == v[0, 0, 0, 0])})")
 
 
-QUICK = dict(headdims=(64, 128, 256), seqlens=(1024, 4096, 16384))
-FULL = dict(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384))
 
 
 def cmd_run(args) -> int:
@@ -199,10 +203,11 @@ def cmd_run(args) -> int:
         print("cuflash's kernels need compute capability 8.0 or newer; this GPU runs none of them.")
         return 1
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    again = f"python -m cuflash --no-bench --checks {args.checks} --seed {seed}"
     rng = np.random.default_rng(seed)
     cases = check.draw_cases(rng, cc, args.checks)
-    print(f"1. Checking {len(cases)} random configurations against the NumPy reference (seed {seed}; "
-          "`--seed` repeats them). Each kernel variant compiles on first use and is cached.")
+    print(f"1. Checking {len(cases)} random configurations against the NumPy reference (`{again}` repeats "
+          "them). Each kernel variant compiles on first use and is cached.")
     failures = []
     for case in bench.progress(cases, "checking"):
         try:
@@ -214,15 +219,17 @@ def cmd_run(args) -> int:
             failures.append(outcome)
     if failures:
         print(f"{len(failures)} of {len(cases)} checks FAILED (above); not benchmarking wrong kernels. "
-              f"Please report it with this output (seed {seed}).")
+              f"Please report it with this output; `{again}` repeats the draws.")
         return 1
     print(f"All {len(cases)} checks passed.")
     if args.no_bench:
         return 0
-    sizes = FULL if args.full else QUICK
-    grid = bench.configs(("bfloat16",), sizes["headdims"], (False, True), sizes["seqlens"])
+    seqlens = bench.SEQLENS if args.full else bench.QUICK_SEQLENS
+    grid = bench.configs(("bfloat16",), bench.HEADDIMS, (False, True), seqlens)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in report.outputs(out_dir):  # an earlier run's results would be merged into this report
+        stale.unlink()
     xp = bench.array_backend()
     peers = "torch SDPA (FlashAttention-2 and cuDNN backends)" if xp.name == "torch" else \
         "no PyTorch with CUDA here, so cuflash alone on CuPy arrays"
@@ -238,11 +245,7 @@ def cmd_run(args) -> int:
         print(f"  JAX's cuDNN attention not measured: {why_not}")
     bwd = bench.run(grid, backward=True, reps=args.reps, warmup=3, xp=xp)
     (out_dir / f"bwd_{xp.name}.json").write_text(json.dumps(bench.document(bwd, reps=args.reps, command=command)))
-    try:
-        import matplotlib  # noqa: F401
-        charts = True
-    except ImportError:
-        charts = False
+    charts = report.charts_available()
     written = report.write(out_dir, charts)
     for path in written:
         if path.suffix == ".md":
@@ -254,11 +257,14 @@ def cmd_run(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__,
+                                     epilog="Without a command: the main job (`run`); `python -m cuflash run -h` lists "
+                                            "its options, which may follow `python -m cuflash` directly.")
     sub = parser.add_subparsers(dest="command")
     r = sub.add_parser("run", help="the main job, what `python -m cuflash` alone does: check every kernel family "
                                    "this GPU runs against the reference, then benchmark against the peers")
-    r.add_argument("--out", default="cuflash-report", help="where the JSON, tables and charts go (default ./cuflash-report)")
+    r.add_argument("--out", default="cuflash-report", help="where the JSON, tables and charts go, replacing an earlier "
+                                                          "run's (default ./cuflash-report)")
     r.add_argument("--checks", type=int, default=3, help="random configurations per kernel family and op (default 3)")
     r.add_argument("--seed", type=int, default=None, help="repeat the checks of an earlier run")
     r.add_argument("--no-bench", action="store_true", help="check only")

@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass
 
 TOKENS = 16384
 HIDDEN = 2048
+HEADDIMS = (64, 128, 256)
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)  # the full grid
+QUICK_SEQLENS = (1024, 4096, 16384)  # what `python -m cuflash` measures
 BACKWARD_FLOPS = 2.5  # per forward FLOP
 # Throttle reasons that make a timing unusable (nvidia-smi clocks_event_reasons bits): HW slowdown,
 # SW thermal, HW thermal, HW power brake. Idle (0x1) and the SW power cap under load are normal.
@@ -297,6 +300,8 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
             try:
                 result = call()
             except (RuntimeError, NotImplementedError) as e:  # a peer that cannot run this configuration
+                if name.startswith("cuflash"):
+                    raise  # cuflash's own failure is an error, not a missing peer
                 say(f"  {name} unavailable for {config.label()}: {str(e)[:120]}")
                 del impls[name]
                 continue
@@ -356,18 +361,20 @@ def run_jax_process(grid: list[Config], reps: int = 30) -> tuple[list[dict], str
     script = ("import json, sys; from cuflash import bench; "
               "grid = [bench.Config(**c) for c in json.loads(sys.argv[1])]; "
               "print(json.dumps(bench.run_jax(grid, int(sys.argv[2]))))")
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        return [], "JAX is not installed"
-    if probe.stdout.strip() != "gpu":
-        return [], f"JAX's backend here is {probe.stdout.strip()!r}, not gpu"
     # This process's framework keeps its memory: JAX must not try to take 75% of the GPU up front.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    child = subprocess.run([sys.executable, "-c", script, json.dumps([asdict(c) for c in grid]), str(reps)],
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
                            capture_output=True, text=True, env=env)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return [], "JAX is not installed" if "ModuleNotFoundError" in last else f"JAX failed to start: {last}"
+    if probe.stdout.strip() != "gpu":
+        return [], f"JAX's backend here is {probe.stdout.strip()!r}, not gpu"
+    # Its progress lines (stderr) show as they come; the rows come back on stdout.
+    child = subprocess.run([sys.executable, "-c", script, json.dumps([asdict(c) for c in grid]), str(reps)],
+                           stdout=subprocess.PIPE, text=True, env=env)
     if child.returncode != 0:
-        return [], f"the JAX process failed: {child.stderr.strip().splitlines()[-1:]}"
+        return [], f"the JAX process failed with exit code {child.returncode} (its messages are above)"
     return json.loads(child.stdout.strip().splitlines()[-1]), None
 
 

@@ -94,7 +94,11 @@ def chart(results: list[dict], path: Path, title: str = "Forward", dtype: str = 
                 ax.set_ylabel("TFLOP/s")
             ax.set_ylim(0, top)
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    legend = {}  # every implementation drawn in some panel, in drawing order
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    handles, labels = list(legend.values()), list(legend)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), frameon=False)
     meta = results[0]["meta"]
     fig.suptitle(f"{title}, {dtype}, {rows[0]['gpu']}, {meta['date']} ({_clock_range(rows)}; "
@@ -103,6 +107,20 @@ def chart(results: list[dict], path: Path, title: str = "Forward", dtype: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def charts_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def outputs(directory: Path) -> list[Path]:
+    """The benchmark JSON and the reports of them already in `directory`."""
+    return [p for prefix in PASSES for pattern in (f"{prefix}_*.json", f"{prefix}.md", f"{prefix}_*.png")
+            for p in sorted(directory.glob(pattern))]
 
 
 def write(directory: Path, charts: bool = True) -> list[Path]:
@@ -128,13 +146,14 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    try:
-        import matplotlib  # noqa: F401
-        charts = True
-    except ImportError:
+    charts = charts_available()
+    if not charts:
         print("matplotlib is not installed: markdown only (pip install matplotlib for the charts)", file=sys.stderr)
-        charts = False
-    for path in write(Path(argv[0]), charts):
+    written = write(Path(argv[0]), charts)
+    if not written:
+        print(f"no fwd_*.json or bwd_*.json in {argv[0]}: nothing to report", file=sys.stderr)
+        return 2
+    for path in written:
         print(path.read_text() if path.suffix == ".md" else f"chart: {path}")
     return 0
 

@@ -177,7 +177,7 @@ def test_varlen_pack_unpack_round_trip():
 # Measured on an H200 (seeds 0-3), relative to the largest entry, in eps: quickstart_cupy out <= 0.62,
 # dq/dk/dv <= 0.93 (bf16 and fp16 alike), lse <= 1.8 float32 eps; torch_module <= 0.90; jax_grad <=
 # 0.98; torch.compile against eager 0; varlen_packing 0 (and one bf16 ulp, 3.9e-3, when the batch of
-# one was a stride-0 view that sent the dense call to fwd_sm80, see examples/varlen_packing.py).
+# one was a stride-0 view that sent the dense call to fwd_sm80, before fwd_sm90 accepted such views).
 
 
 def _report(title: str, result: dict):

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(_cuda_available(), reason="the behaviour on a machine without a GPU")
-def test_main_job_without_gpu_runs_the_reference_and_says_why():
-    result = subprocess.run([sys.executable, "-m", "cuflash"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("args", [[], ["--no-bench", "--seed", "3"], ["run", "--checks", "1"]])
+def test_main_job_without_gpu_runs_the_reference_and_says_why(args):
+    result = subprocess.run([sys.executable, "-m", "cuflash", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "The NumPy reference on a small problem" in result.stdout
     assert "(True)" in result.stdout  # row 0 of the causal problem equals v's first row
@@ -29,7 +30,9 @@ def test_check_draws_every_family_and_op_of_the_gpu(compute_capability):
     drawn = {(c.family, c.op) for c in cases}
     families = {"fwd_sm80", "bwd_sm80", "bwd_preprocess"} | ({"fwd_sm90"} if compute_capability == (9, 0) else set())
     assert {f for f, _ in drawn} == families
-    assert ("bwd_sm80", "attention_varlen_backward") in drawn and any(c.deterministic for c in cases)
+    assert ("bwd_sm80", "attention_varlen_backward") in drawn
+    deterministic = {c.op for c in cases if c.deterministic}
+    assert deterministic == {"attention_backward", "attention_varlen_backward"}
 
 
 def _cases(seed=3):
@@ -43,24 +46,38 @@ def test_check_passes_the_reference_itself():
 
 
 def test_check_catches_wrong_outputs(monkeypatch):
-    """The criteria can fail: a forward off by one key (the softmax over one key too few) and a
-    backward with dk and dv scaled by 1.05 are caught."""
-    forward, backward = api.attention, api.attention_backward
+    """The criteria can fail: a forward whose output is 2% too large (a wrong normalisation) and a
+    backward whose dk is 5% too large are caught, dense and packed, in fp16 and in bf16."""
+    originals = {name: getattr(api, name) for name in ("attention", "attention_varlen", "attention_backward",
+                                                       "attention_varlen_backward")}
 
-    def drop_last_key(q, k, v, **kw):
-        return forward(q, k[:, :-1], v[:, :-1], **kw) if k.shape[1] > 1 else forward(q, k, 0 * v, **kw)
+    def forward_scaled(name):
+        def call(*args, **kw):
+            out, lse = originals[name](*args, **kw)
+            return (out.astype(np.float32) * 1.02).astype(out.dtype), lse
+        return call
 
-    def scaled(*args, **kw):
-        dq, dk, dv = backward(*args, **kw)
-        return dq, (dk.astype(np.float32) * 1.05).astype(dk.dtype), dv
+    def backward_scaled(name):
+        def call(*args, **kw):
+            dq, dk, dv = originals[name](*args, **kw)
+            return dq, (dk.astype(np.float32) * 1.05).astype(dk.dtype), dv
+        return call
 
-    monkeypatch.setattr(api, "attention", drop_last_key)
-    monkeypatch.setattr(api, "attention_backward", scaled)
-    rng = np.random.default_rng(3)
-    for case in _cases():
-        if case.op in ("attention_forward", "attention_backward"):
+    for name in ("attention", "attention_varlen"):
+        monkeypatch.setattr(api, name, forward_scaled(name))
+    for name in ("attention_backward", "attention_varlen_backward"):
+        monkeypatch.setattr(api, name, backward_scaled(name))
+    checked = set()
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        for case in check.draw_cases(rng, (8, 0), per_op=2):
+            if case.op == "backward_preprocess":
+                continue
             outcome = check.run_case(case, rng, on_gpu=False)
             assert not outcome.ok, (case.describe(), outcome.detail)
+            checked.add((case.op, case.dtype))
+    ops = ("attention_forward", "attention_varlen_forward", "attention_backward", "attention_varlen_backward")
+    assert checked == {(op, dtype) for op in ops for dtype in ("float16", "bfloat16")}, checked
 
 
 def test_bench_sizing_is_flashattention3s():
@@ -90,6 +107,10 @@ def test_report_tables_and_charts(tmp_path):
     assert "| bfloat16 | 128 | 1 | 4096 | 600 | 300 | 640 | 620 | 2.00 | 0.94 | 1980 |" in table
     png = (tmp_path / "fwd_bfloat16.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    # What a new run of the main job replaces: this run's inputs and outputs, nothing else.
+    (tmp_path / "notes.txt").write_text("mine")
+    assert sorted(p.name for p in report.outputs(tmp_path)) == ["fwd.md", "fwd_bfloat16.png", "fwd_jax.json",
+                                                               "fwd_torch.json"]
 
 
 @pytest.mark.gpu
