@@ -32,6 +32,15 @@ def _clock_range(rows: list[dict]) -> str:
     return f"SM clock {clocks[0]}-{clocks[-1]} MHz over the rows" if clocks else "SM clock not recorded"
 
 
+def _versions(results: list[dict]) -> dict:
+    """Every package version the runs recorded (the JAX process knows no torch, and the torch one
+    no cuDNN of JAX's: merged)."""
+    merged = {}
+    for res in results:
+        merged.update(res["meta"]["versions"])
+    return merged
+
+
 def render(results: list[dict], title: str = "Forward") -> str:
     """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the clock."""
     rows = [r for res in results for r in res["rows"]]
@@ -42,7 +51,7 @@ def render(results: list[dict], title: str = "Forward") -> str:
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions; "
            f"{_clock_range(rows)}).",
-           "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "",
+           "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN | clock MHz |",
            "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|"]
     for key in sorted(cells):
