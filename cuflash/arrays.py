@@ -160,6 +160,19 @@ def _bfloat16():
     return ml_dtypes.bfloat16
 
 
+# NumPy knows these through ml_dtypes only (not by name).
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a canonical dtype name (bfloat16 and float8_e4m3fn from ml_dtypes)."""
+    if name in _ML_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
 def host_view(x: Any) -> np.ndarray:
     """Zero-copy NumPy view of a host array (NumPy, torch CPU tensor, JAX CPU array or JAX CPU
     callback buffer). Writes through the view land in `x`."""
@@ -169,8 +182,9 @@ def host_view(x: Any) -> np.ndarray:
     if framework == "torch":
         torch = _module("torch")
         t = x.detach()
-        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16; reinterpret the bits as ml_dtypes'.
-            return t.view(torch.int16).numpy().view(_bfloat16())
+        name = str(t.dtype).removeprefix("torch.")
+        if name in _ML_DTYPES:  # NumPy has no such dtype: reinterpret the bits as ml_dtypes' type
+            return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy().view(numpy_dtype(name))
         return t.numpy()
     # JAX arrays and jax.experimental.buffer_callback.Buffer objects implement __array__ on CPU.
     return np.asarray(x)
@@ -191,13 +205,13 @@ def small_host_copy(x: Any) -> np.ndarray | None:
     return np.asarray(x)
 
 
-_TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32")
+_TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "float8_e4m3fn")
 
 
 def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) -> Any:
     """Allocate an uninitialised array through the caller's framework's own allocator."""
     if framework == "numpy":
-        return np.empty(shape, _bfloat16() if dtype == "bfloat16" else np.dtype(dtype))
+        return np.empty(shape, numpy_dtype(dtype))
     if framework == "torch":
         torch = _module("torch")
         assert dtype in _TORCH_DTYPES, dtype
@@ -205,7 +219,7 @@ def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) ->
     if framework == "cupy":
         cupy = _module("cupy")
         with cupy.cuda.Device(device.index):
-            return cupy.empty(shape, _bfloat16() if dtype == "bfloat16" else np.dtype(dtype))
+            return cupy.empty(shape, numpy_dtype(dtype))
     raise AssertionError(f"outputs of {framework} arrays are allocated by the framework itself")
 
 

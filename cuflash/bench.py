@@ -190,11 +190,11 @@ class _CuPy:
     def randn(self, shape, dtype: str, generator):
         import numpy as np
 
-        from .arrays import _bfloat16
+        from .arrays import numpy_dtype
 
         # On the host: CuPy's own generators do not produce bfloat16.
         x = generator.standard_normal(shape, dtype=np.float32)
-        return self.cupy.asarray(x.astype(_bfloat16() if dtype == "bfloat16" else dtype))
+        return self.cupy.asarray(x.astype(numpy_dtype(dtype)))
 
     def generator(self, seed: int):
         import numpy as np

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import api, kernels, reference
-from .arrays import _bfloat16
+from .arrays import numpy_dtype
 
 HEADDIMS = tuple(range(8, 257, 8))
 
@@ -96,7 +96,7 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
-    return x.astype(_bfloat16() if dtype == "bfloat16" else dtype)
+    return x.astype(numpy_dtype(dtype))
 
 
 def _plain_forward(q, k, v, dtype: str, features: dict) -> np.ndarray:
@@ -123,7 +123,7 @@ def _max_err(got, want, relative: bool = False) -> float:
 def _gradient_bound(want, dtype: str) -> float:
     import ml_dtypes
 
-    eps = float(ml_dtypes.finfo(_bfloat16() if dtype == "bfloat16" else dtype).eps)
+    eps = float(ml_dtypes.finfo(numpy_dtype(dtype)).eps)
     return 3 * eps * float(np.abs(want).max(initial=0.0)) + 1e-4
 
 

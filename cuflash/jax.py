@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from . import api, dispatch
-from .arrays import Device
+from .arrays import Device, numpy_dtype
 from .problem import Problem
 
 # Ops whose arrays all lead with the batch dimension: vmapped axes fold into it.
@@ -29,11 +29,7 @@ _BASE_RANK = 4  # of q (and dout, the first input of the backward ops): (batch, 
 
 
 def _jax_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+    return numpy_dtype(name)
 
 
 def _buffer_device(buffer) -> Device:
