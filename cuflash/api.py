@@ -5,6 +5,7 @@ given and what is expected. Nothing below this module re-validates user input.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -182,7 +183,7 @@ def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, ba
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
-              backend=None):
+              backend=None, fp8=False, hadamard=False):
     """Scaled dot-product attention, FlashAttention semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with nheads a
@@ -198,7 +199,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     exp(scores). NumPy and other CPU arrays run on the NumPy reference; GPU arrays on cuflash's kernels.
     backend=None picks the fastest kernel family that serves the call; "sm90" or "sm80" forces one
     (NotImplementedError saying why, if it can't).
+
+    fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (`quantize_fp8`, one scale per
+    FP8_BLOCK rows of each head) and runs `attention_fp8`, out in q's dtype; hadamard=True also
+    applies the random Hadamard transform to q and k first (incoherent processing: it cancels in
+    q k^T and spreads outliers). No softcap with fp8.
     """
+    if _check_flag("fp8", fp8):
+        return _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend,
+                                    _check_flag("hadamard", hadamard))
+    if _check_flag("hadamard", hadamard):
+        raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
     return_lse = _check_flag("return_lse", return_lse)
     infos = _describe_all(dict(q=q, k=k, v=v))
     problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap), backend)
@@ -359,3 +370,105 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return dispatch.run(problem, named, dict(dq=(infos["q"].shape, problem.dtype),
                                              dk=(infos["k"].shape, problem.dtype),
                                              dv=(infos["v"].shape, problem.dtype)))
+
+
+# ----------------------------------------------------------------------------- FP8 (e4m3)
+
+FP8_DTYPE = "float8_e4m3fn"
+FP8_OUT_DTYPES = ("bfloat16", "float16")
+FP8_BLOCK = 128  # attention(..., fp8=True): rows per quantization scale
+_FP8_SEED = 0  # attention(..., fp8=True, hadamard=True): the transform's seed (any works: it cancels)
+
+
+def _dtype_arg(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """A dtype given as a name or as a NumPy, ml_dtypes, torch or JAX dtype, by its canonical name."""
+    if isinstance(value, str):
+        canonical = value
+    else:
+        try:
+            canonical = np.dtype(value).name
+        except TypeError:  # torch.dtype
+            canonical = str(value).removeprefix("torch.")
+    if canonical not in allowed:
+        raise TypeError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return canonical
+
+
+def _check_descale(info: ArrayInfo, batch: int, nheads: int, seqlen: int) -> None:
+    if info.dtype != "float32":
+        raise TypeError(f"{info.name} must be float32 (as quantize_fp8 returns it); got {info.dtype}")
+    per_head, per_row = (batch, nheads), (batch, nheads, seqlen)
+    if info.shape not in (per_head, per_row):
+        raise ValueError(f"{info.name} must have shape {per_head} (one scale per head) or {per_row} (one per "
+                         f"row); got {info.shape}")
+    _check_unit_last_stride(info)
+
+
+def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
+    """x (batch, seqlen, nheads, headdim), float16/bfloat16/float32 -> (x8, descale).
+
+    x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the largest magnitude of
+    each scale's rows mapped to e4m3's 448. block=None: one scale per (batch, head), descale
+    (batch, nheads); block=B: one per B rows of each head, descale (batch, nheads, seqlen) (each row
+    holds its block's scale: the layout attention_fp8 takes). hadamard=True first multiplies the
+    head dim by a Hadamard matrix with random signs drawn from `seed` (headdim a power of two):
+    give q and k the same seed, and never transform v (reference.hadamard_matrix).
+    """
+    info = _describe_all(dict(x=x))["x"]
+    _check_rank(info, 4, _ATTENTION_LAYOUT)
+    _check_unit_last_stride(info)
+    _check_dtype_supported("quantize_fp8", info)
+    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1):
+        raise ValueError(f"block must be None (one scale per head) or a positive int (rows per scale); got {block!r}")
+    hadamard = _check_flag("hadamard", hadamard)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise TypeError(f"seed must be an int >= 0; got {seed!r}")
+    batch, seqlen, nheads, headdim = info.shape
+    if hadamard and (headdim < 1 or headdim & (headdim - 1)):
+        raise ValueError(f"hadamard=True needs a head dim that is a power of two; x has {headdim}")
+    problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype, batch=batch,
+                      seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
+                      fp8_block=None if block is None else int(block), hadamard_seed=int(seed) if hadamard else None)
+    descale_shape = (batch, nheads) if block is None else (batch, nheads, seqlen)
+    return dispatch.run(problem, dict(x=x), dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32")))
+
+
+def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
+                  out_dtype="bfloat16", return_lse=False, backend=None):
+    """`attention` on e4m3 inputs: q8 (batch, seqlen_q, nheads, headdim), k8 and v8 (batch, seqlen_k,
+    nheads_kv, headdim), float8_e4m3fn, with float32 descale factors (quantize_fp8's): each of shape
+    (batch, heads) or (batch, heads, seqlen) for its own tensor. Computes attention of q8 * q_descale,
+    k8 * k_descale and v8 * v_descale (masks, GQA and the scale as in `attention`); out in out_dtype
+    (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True.
+    """
+    return_lse = _check_flag("return_lse", return_lse)
+    out_dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)
+    named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    infos = _describe_all(named)
+    for name in ("q8", "k8", "v8"):
+        if infos[name].dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}")
+    problem = _attention_problem("attention_fp8_forward", dict(q=infos["q8"], k=infos["k8"], v=infos["v8"]),
+                                 (causal, softmax_scale, window, 0.0), backend)
+    problem = dataclasses.replace(problem, out_dtype=out_dtype)
+    _check_descale(infos["q_descale"], problem.batch, problem.nheads, problem.seqlen_q)
+    for name in ("k_descale", "v_descale"):
+        _check_descale(infos[name], problem.batch, problem.nheads_kv, problem.seqlen_k)
+    inputs = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    out, lse = dispatch.run(problem, inputs, dict(out=(infos["q8"].shape, out_dtype),
+                                                  lse=((problem.batch, problem.nheads, problem.seqlen_q), "float32")))
+    return (out, lse) if return_lse else out
+
+
+def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard):
+    """attention(..., fp8=True): quantize_fp8 then attention_fp8, out in q's dtype."""
+    dtype = arrays.describe("q", q).dtype
+    if dtype not in FP8_OUT_DTYPES:
+        raise TypeError(f"fp8=True quantizes float16 or bfloat16 q, k and v; q has dtype {dtype}")
+    if _finite_float("softcap", softcap, "0 with fp8=True") != 0:
+        raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
+    q8, q_descale = quantize_fp8(q, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
+    k8, k_descale = quantize_fp8(k, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
+    v8, v_descale = quantize_fp8(v, block=FP8_BLOCK)
+    return attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, window=window,
+                         softmax_scale=softmax_scale, out_dtype=dtype, return_lse=return_lse, backend=backend)

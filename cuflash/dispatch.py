@@ -13,15 +13,16 @@ from .problem import Problem
 # fwd_sm80 is silent otherwise. Logged once per remembered plan, not per call.
 log = logging.getLogger("cuflash")
 
-# The NumPy reference computes in float64 and takes these input dtypes.
+# The NumPy reference computes in float64 and takes these input dtypes (FP8 attention: e4m3 only).
 REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+FP8_DTYPES = frozenset({"float8_e4m3fn"})
 
 
 def supported_dtypes(op: str, device: arrays.Device) -> frozenset:
     """Input dtypes `op` accepts on `device`; empty when no GPU kernel serves `op` yet (then `run`
     says so)."""
     if not device.is_cuda:
-        return REFERENCE_DTYPES
+        return FP8_DTYPES if op == "attention_fp8_forward" else REFERENCE_DTYPES
     return frozenset().union(*(f.dtypes for f in kernels.families_for(op)))
 
 
@@ -127,5 +128,12 @@ def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
             ins["cu_seqlens_q"], ins["cu_seqlens_k"], **f)
     elif op == "backward_preprocess":
         outs["delta"][...] = reference.backward_preprocess(ins["dout"], ins["out"])
+    elif op == "attention_fp8_forward":
+        outs["out"][...], outs["lse"][...] = reference.attention_fp8(
+            ins["q"], ins["k"], ins["v"], ins["q_descale"], ins["k_descale"], ins["v_descale"],
+            causal=f["causal"], window=f["window"], softmax_scale=f["softmax_scale"])
+    elif op == "quantize_fp8":
+        outs["x8"][...], outs["descale"][...] = reference.quantize_fp8(ins["x"], problem.fp8_block,
+                                                                     problem.hadamard_seed)
     else:
         raise AssertionError(op)

@@ -13,6 +13,8 @@ OPS = (
     "attention_backward",
     "attention_varlen_backward",
     "backward_preprocess",
+    "attention_fp8_forward",
+    "quantize_fp8",
 )
 
 
@@ -45,6 +47,9 @@ class Problem:
     total_k: int = 0
     backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
     deterministic: bool = False  # backward ops: bit-identical gradients from run to run
+    out_dtype: str | None = None  # attention_fp8_forward: out's dtype (its inputs are float8_e4m3fn)
+    fp8_block: int | None = None  # quantize_fp8: rows per scale (None: one scale per head)
+    hadamard_seed: int | None = None  # quantize_fp8: the transform's seed (None: no transform)
 
     def __post_init__(self):
         assert self.op in OPS, self.op

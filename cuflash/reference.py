@@ -73,6 +73,10 @@ __all__ = [
     "backward",
     "varlen_forward",
     "varlen_backward",
+    "hadamard_matrix",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "attention_fp8",
 ]
 
 
@@ -494,3 +498,77 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, caus
                      lse[None, :, sq], **kw)
         dq[sq], dk[sk], dv[sk] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# FP8 (e4m3): quantization, incoherent processing, attention on quantized inputs
+# ---------------------------------------------------------------------------
+#
+# x8 = round_e4m3(x / descale) with descale = amax / 448 taken per (batch, head)
+# or per block of `block` rows of each (batch, head); x ~ x8 * descale. Before
+# quantizing q and k, `hadamard` multiplies their head dim by the orthogonal
+# matrix hadamard_matrix(headdim, seed): with the same seed for both, q k^T is
+# unchanged (H H^T = I) while outlier coordinates are spread over all of them
+# ("incoherent processing"). v is never transformed (it would change out).
+# attention_fp8 is attention on the dequantized inputs, computed in float64:
+# quantization is the only difference from `forward`.
+
+E4M3_MAX = 448.0
+
+
+def _e4m3():
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
+def hadamard_matrix(headdim: int, seed: int) -> np.ndarray:
+    """(headdim, headdim) float64 orthogonal matrix diag(signs) H / sqrt(headdim): H the Sylvester
+    Hadamard matrix (headdim a power of two), signs +-1 drawn from numpy.random.default_rng(seed)."""
+    if headdim < 1 or headdim & (headdim - 1):
+        raise ValueError(f"the Hadamard transform needs a head dim that is a power of two; got {headdim}")
+    h = np.ones((1, 1))
+    while h.shape[0] < headdim:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(seed).integers(0, 2, headdim) * 2.0 - 1.0
+    return signs[:, None] * h / math.sqrt(headdim)
+
+
+def _row_descale(descale: np.ndarray, seqlen: int) -> np.ndarray:
+    """A descale of shape (B, H) or (B, H, S) as a factor broadcasting over (B, S, H, D)."""
+    d = np.asarray(descale, np.float64)
+    return d[:, None, :, None] if d.ndim == 2 else np.swapaxes(d, 1, 2)[..., None]
+
+
+def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
+    """x (B, S, H, D) -> (x8 float8_e4m3fn (B, S, H, D), descale float32): descale (B, H) with one
+    scale per head (block None), or (B, H, S) with block rows sharing one scale (each row holds
+    its block's). An all-zero head or block gets descale 1."""
+    x = _cast(x, np.float64)
+    if hadamard_seed is not None:
+        x = x @ hadamard_matrix(x.shape[-1], hadamard_seed)
+    b, s, h, d = x.shape
+    if block is None:
+        amax = np.abs(x).max(axis=(1, 3), initial=0.0)  # (B, H)
+    else:
+        blocks = -(-s // block)
+        padded = np.zeros((b, blocks * block, h, d))
+        padded[:, :s] = x
+        amax = np.abs(padded.reshape(b, blocks, block, h, d)).max(axis=(2, 4), initial=0.0)  # (B, blocks, H)
+        amax = np.repeat(np.swapaxes(amax, 1, 2), block, axis=2)[:, :, :s]  # (B, H, S)
+    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    scaled = np.clip(x / _row_descale(descale, s), -E4M3_MAX, E4M3_MAX)  # e4m3fn has no inf: never overflow
+    return scaled.astype(_e4m3()), descale
+
+
+def dequantize_fp8(x8, descale) -> np.ndarray:
+    """x8 * descale in float64 (descale (B, H) or (B, H, S), as quantize_fp8 returns it)."""
+    x8 = np.asarray(x8)
+    return x8.astype(np.float64) * _row_descale(descale, x8.shape[1])
+
+
+def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
+                  window=(-1, -1)):
+    """`forward` on the dequantized inputs, in float64: (out, lse)."""
+    return forward(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale), dequantize_fp8(v8, v_descale),
+                   causal=causal, softmax_scale=softmax_scale, window=window)

@@ -1,0 +1,197 @@
+"""FP8 (e4m3) on the reference backend: quantization, the Hadamard transform, attention on quantized
+inputs, the convenience path attention(..., fp8=True), argument checks, frameworks, and the
+accuracy study of issue 6 (per-tensor vs block scales vs block scales with the transform)."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+E4M3 = ml_dtypes.float8_e4m3fn
+REL = 2.0**-4  # e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the value (normal range)
+ABS = 2.0**-10  # half the smallest subnormal (2^-9), in units of the descale
+
+
+def _normal(rng, shape, outliers=0.0):
+    x = rng.standard_normal(shape)
+    if outliers:
+        x[rng.random(shape) < outliers] *= 10
+    return x
+
+
+def test_hadamard_is_orthogonal_and_cancels_in_qk():
+    rng = np.random.default_rng(0)
+    for d in (1, 2, 64, 128, 256):
+        h = reference.hadamard_matrix(d, seed=3)
+        np.testing.assert_allclose(h @ h.T, np.eye(d), atol=1e-12)
+        assert set(np.unique(np.abs(h)).round(12)) == {round(1 / math.sqrt(d), 12)}
+    q, k = rng.standard_normal((5, 64)), rng.standard_normal((7, 64))
+    h = reference.hadamard_matrix(64, seed=9)
+    np.testing.assert_allclose((q @ h) @ (k @ h).T, q @ k.T, atol=1e-12)
+    assert not np.allclose(reference.hadamard_matrix(64, 1), reference.hadamard_matrix(64, 2))
+    with pytest.raises(ValueError, match="power of two"):
+        reference.hadamard_matrix(96, 0)
+
+
+@pytest.mark.parametrize("block", [None, 1, 16, 128])
+def test_quantize_maps_each_scale_group_to_448_and_round_trips(block):
+    rng = np.random.default_rng(1)
+    x = _normal(rng, (2, 100, 3, 64), outliers=0.01).astype(np.float32)
+    x[1, :, 2] = 0  # an all-zero head
+    x8, descale = cuflash.quantize_fp8(x, block=block)
+    assert x8.dtype == E4M3 and x8.shape == x.shape and descale.dtype == np.float32
+    assert descale.shape == ((2, 3) if block is None else (2, 3, 100))
+    mags = np.abs(x8.astype(np.float64))
+    if block is None:
+        assert (mags.max(axis=(1, 3))[[0, 0, 0, 1, 1], [0, 1, 2, 0, 1]] == 448).all()
+        assert descale[1, 2] == 1 and (x8[1, :, 2].astype(np.float32) == 0).all()
+    else:
+        for start in range(0, 100, block):
+            rows = descale[0, 0, start:start + block]
+            assert (rows == rows[0]).all()
+            assert mags[0, start:start + block, 0].max() == 448
+    back = reference.dequantize_fp8(x8, descale)
+    scale = descale[:, None, :, None] if block is None else np.swapaxes(descale, 1, 2)[..., None]
+    assert (np.abs(back - x) <= REL * np.abs(x) + ABS * scale + 1e-12).all()
+
+
+def test_attention_fp8_is_attention_of_the_dequantized_inputs():
+    rng = np.random.default_rng(2)
+    q, k, v = (_normal(rng, (2, n, h, 64)) for n, h in ((70, 4), (90, 2), (90, 2)))
+    q8, qd = cuflash.quantize_fp8(q, block=32, hadamard=True, seed=5)
+    k8, kd = cuflash.quantize_fp8(k, hadamard=True, seed=5)
+    v8, vd = cuflash.quantize_fp8(v, block=16)
+    out, lse = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, out_dtype="float16", return_lse=True)
+    want, want_lse = reference.forward(reference.dequantize_fp8(q8, qd), reference.dequantize_fp8(k8, kd),
+                                       reference.dequantize_fp8(v8, vd), causal=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32 and lse.shape == (2, 4, 70)
+    assert np.array_equal(out, want.astype(np.float16)) and np.array_equal(lse, want_lse.astype(np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_fp8_attention_on_random_shapes(data):
+    """Finite outputs; exactly the attention of the dequantized inputs; and against the attention of
+    the unquantized inputs (standard normal, 0.1% outliers times 10) a relative RMSE of at most 0.15
+    (the stated bound: the worst of 150 random draws measured 0.087; a descale or transform applied
+    wrongly is off by about 1)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    batch, group, nheads_kv = data.draw(st.integers(1, 2)), data.draw(st.sampled_from((1, 2, 4))), data.draw(
+        st.integers(1, 2))
+    seqlen_q, seqlen_k = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    headdim = data.draw(st.sampled_from((64, 128, 256)))
+    block = data.draw(st.sampled_from((None, 16, 64, 128)))
+    hadamard = data.draw(st.booleans())
+    mask = data.draw(st.sampled_from((dict(), dict(causal=True), dict(window=(20, 5)))))
+    out_dtype = data.draw(st.sampled_from(("bfloat16", "float16")))
+    q = _normal(rng, (batch, seqlen_q, nheads_kv * group, headdim), outliers=0.001)
+    k, v = (_normal(rng, (batch, seqlen_k, nheads_kv, headdim), outliers=0.001) for _ in range(2))
+    seed = int(rng.integers(0, 1000))
+    q8, qd = cuflash.quantize_fp8(q, block=block, hadamard=hadamard, seed=seed)
+    k8, kd = cuflash.quantize_fp8(k, block=block, hadamard=hadamard, seed=seed)
+    v8, vd = cuflash.quantize_fp8(v, block=block)
+    out, lse = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, out_dtype=out_dtype, return_lse=True, **mask)
+    dequantized, _ = reference.forward(*(reference.dequantize_fp8(x8, d) for x8, d in ((q8, qd), (k8, kd), (v8, vd))),
+                                       **mask)
+    exact, exact_lse = reference.forward(q, k, v, **mask)
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all() and np.array_equal(np.isfinite(lse), np.isfinite(exact_lse))
+    assert np.array_equal(out, dequantized.astype(ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.float16))
+    assert _rmse(out, exact) <= 0.15 * max(math.sqrt(np.mean(exact**2)), 2.0**-8)
+
+
+def _rmse(x, y):
+    return float(np.sqrt(np.mean((np.asarray(x, np.float64) - y) ** 2)))
+
+
+def test_accuracy_study_outliers():
+    """Issue 6's study on the reference (inputs standard normal, 0.1% of entries times 10; RMSE of out
+    against float64 attention): (a) one scale per tensor, (b) one per 128-row block, (c) (b) with
+    the Hadamard transform on q and k. Only the inputs' quantization is simulated here (P is exact):
+    on this machine (a) 1.47e-2, (b) 1.27e-2, (c) 8.5e-3, (a)/(c) = 1.7 (benchmarks/NOTES-fp8.md)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (_normal(rng, (2, 1024, 4, 128), outliers=0.001) for _ in range(3))
+    want, _ = reference.forward(q, k, v)
+
+    def per_tensor(x):
+        descale = np.full(x.shape[::2], np.abs(x).max() / 448, np.float32)  # (batch, heads), one value
+        return (x / descale[:, None, :, None]).astype(E4M3), descale
+
+    a = reference.attention_fp8(*per_tensor(q)[:1], *per_tensor(k)[:1], *per_tensor(v)[:1],
+                                per_tensor(q)[1], per_tensor(k)[1], per_tensor(v)[1])[0]
+    quant = [cuflash.quantize_fp8(x, block=128) for x in (q, k, v)]
+    b = reference.attention_fp8(*(x8 for x8, _ in quant), *(d for _, d in quant))[0]
+    quant = [cuflash.quantize_fp8(q, block=128, hadamard=True, seed=1), cuflash.quantize_fp8(k, block=128, hadamard=True,
+                                                                                              seed=1),
+             cuflash.quantize_fp8(v, block=128)]
+    c = reference.attention_fp8(*(x8 for x8, _ in quant), *(d for _, d in quant))[0]
+    ra, rb, rc = _rmse(a, want), _rmse(b, want), _rmse(c, want)
+    print(f"RMSE (a) per tensor {ra:.2e}, (b) block 128 {rb:.2e}, (c) block 128 + Hadamard {rc:.2e}; (a)/(c) {ra / rc:.2f}")
+    assert rc < rb < ra and ra / rc > 1.5
+
+
+def test_attention_with_fp8_true_quantizes_on_the_fly():
+    rng = np.random.default_rng(4)
+    q, k, v = (_normal(rng, (1, 200, h, 128)).astype(ml_dtypes.bfloat16) for h in (4, 2, 2))
+    exact = reference.forward(q, k, v, causal=True)[0]
+    for hadamard in (False, True):
+        out, lse = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=hadamard, return_lse=True)
+        q8, qd = cuflash.quantize_fp8(q, block=128, hadamard=hadamard)
+        k8, kd = cuflash.quantize_fp8(k, block=128, hadamard=hadamard)
+        v8, vd = cuflash.quantize_fp8(v, block=128)
+        same = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, out_dtype="bfloat16")
+        assert out.dtype == ml_dtypes.bfloat16 and np.array_equal(out, same)
+        assert 0 < _rmse(out, exact) < 0.05
+
+
+def test_fp8_arguments_are_checked_by_name():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float16)
+    q8, qd = cuflash.quantize_fp8(q)
+    with pytest.raises(TypeError, match="k8 must be float8_e4m3fn"):
+        cuflash.attention_fp8(q8, q, q8, qd, qd, qd)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(1, 2\).*\(1, 2, 8\)"):
+        cuflash.attention_fp8(q8, q8, q8, qd, qd[:, :1], qd)
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        cuflash.attention_fp8(q8, q8, q8, qd, qd, qd.astype(np.float64))
+    with pytest.raises(TypeError, match="out_dtype must be one of bfloat16, float16"):
+        cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=np.float32)
+    with pytest.raises(ValueError, match="block must be None"):
+        cuflash.quantize_fp8(q, block=0)
+    with pytest.raises(ValueError, match="power of two"):
+        cuflash.quantize_fp8(np.zeros((1, 4, 1, 96), np.float16), hadamard=True)
+    with pytest.raises(TypeError, match="x has dtype float8_e4m3fn"):
+        cuflash.quantize_fp8(q8)
+    with pytest.raises(ValueError, match="needs fp8=True"):
+        cuflash.attention(q, q, q, hadamard=True)
+    with pytest.raises(ValueError, match="softcap is not supported with fp8=True"):
+        cuflash.attention(q, q, q, fp8=True, softcap=5.0)
+    with pytest.raises(TypeError, match="fp8=True quantizes float16 or bfloat16"):
+        cuflash.attention(*(x.astype(np.float32) for x in (q, q, q)), fp8=True)
+
+
+def test_fp8_in_torch_and_jax_matches_numpy():
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 64, h, 64)).astype(np.float16) for h in (4, 2, 2))
+    want = cuflash.attention(q, k, v, fp8=True, hadamard=True, window=(16, 0))
+    t8, td = cuflash.quantize_fp8(torch.from_numpy(q), block=32)
+    assert t8.dtype == torch.float8_e4m3fn and td.dtype == torch.float32
+    out = cuflash.attention(*(torch.from_numpy(x) for x in (q, k, v)), fp8=True, hadamard=True, window=(16, 0))
+    assert out.dtype == torch.float16 and np.array_equal(out.numpy(), want)
+    f = jax.jit(lambda q, k, v: cuflash.attention(q, k, v, fp8=True, hadamard=True, window=(16, 0)))
+    assert np.array_equal(np.asarray(f(q, k, v)), want)
+
+
+@pytest.mark.gpu
+def test_fp8_on_gpu_says_no_kernel_yet():
+    cupy = pytest.importorskip("cupy")
+    x = cupy.zeros((1, 8, 2, 64), cupy.float16)
+    with pytest.raises(NotImplementedError, match="quantize_fp8.*no GPU kernel family implements this operation"):
+        cuflash.quantize_fp8(x)
