@@ -187,6 +187,12 @@ def test_fp8_in_torch_and_jax_matches_numpy():
     assert out.dtype == torch.float16 and np.array_equal(out.numpy(), want)
     f = jax.jit(lambda q, k, v: cuflash.attention(q, k, v, fp8=True, hadamard=True, window=(16, 0)))
     assert np.array_equal(np.asarray(f(q, k, v)), want)
+    # jax.vmap over a leading axis folds it into the batch: each slice as if alone
+    stacked = [np.stack([x, x[:, ::-1].copy()]) for x in (q, k, v)]
+    mapped = np.asarray(jax.jit(jax.vmap(f))(*stacked))
+    assert np.array_equal(mapped[0], want)
+    assert np.array_equal(mapped[1], cuflash.attention(*(x[1] for x in stacked), fp8=True, hadamard=True,
+                                                       window=(16, 0)))
 
 
 @pytest.mark.gpu
