@@ -205,7 +205,13 @@ def cmd_run(args) -> int:
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     again = f"python -m cuflash --no-bench --checks {args.checks} --seed {seed}"
     rng = np.random.default_rng(seed)
-    cases = check.draw_cases(rng, cc, args.checks)
+    cases = []
+    for case in check.draw_cases(rng, cc, args.checks):
+        why_not = check.runnable(case)
+        if why_not:
+            print(f"  not checked here: {case.describe()}: {why_not}")
+        else:
+            cases.append(case)
     print(f"1. Checking {len(cases)} random configurations against the NumPy reference (`{again}` repeats "
           "them). Each kernel variant compiles on first use and is cached.")
     failures = []

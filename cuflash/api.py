@@ -415,6 +415,9 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     give q and k the same seed, and never transform v (reference.hadamard_matrix).
     """
     info = _describe_all(dict(x=x))["x"]
+    if info.framework == "cupy":
+        raise TypeError("x is a CuPy array, and CuPy has no float8_e4m3fn dtype for x8: pass a torch tensor or a JAX "
+                        "array (zero-copy from CuPy: torch.from_dlpack(x))")
     _check_rank(info, 4, _ATTENTION_LAYOUT)
     _check_unit_last_stride(info)
     _check_dtype_supported("quantize_fp8", info)

@@ -78,7 +78,10 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}
-    if op != "backward_preprocess":
+    if op == "quantize_fp8":  # block size and transform (a power-of-two head dim) as features
+        features["block"] = [None, 64, int(rng.integers(1, 300))][int(rng.integers(3))]
+        features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
+    elif op != "backward_preprocess":
         if rng.random() < 0.5:
             features["causal"] = True
         elif rng.random() < 0.3:
@@ -90,7 +93,7 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
         return Case(family.name, op, dtype, len(lengths), max(lengths), max(lengths), nheads, nheads_kv, headdim,
                     features, deterministic, lengths)
     seqlen_q = int(rng.integers(1, 700))
-    seqlen_k = seqlen_q if op == "backward_preprocess" else int(rng.integers(1, 700))
+    seqlen_k = seqlen_q if op in ("backward_preprocess", "quantize_fp8") else int(rng.integers(1, 700))
     return Case(family.name, op, dtype, int(rng.integers(1, 3)), seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
                 features, deterministic)
 
@@ -146,6 +149,8 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
         # float32 sums of the same products: only the summation order differs.
         err, bound = _max_err(got, want), 1e-5 * float(np.abs(want).max(initial=0.0)) + 1e-5
         return Outcome(case, err <= bound, f"delta err {err:.1e} <= {bound:.1e}")
+    if case.op == "quantize_fp8":
+        return _run_quantize(case, host, on_gpu)
     if case.varlen:
         total = sum(case.varlen)
         q, k, v = (host(total, h, case.headdim) for h in (case.nheads, case.nheads_kv, case.nheads_kv))
@@ -188,6 +193,50 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
         ok &= err <= bound
         parts.append(f"{name} err {err:.1e} <= {bound:.1e}")
     return Outcome(case, ok, ", ".join(parts))
+
+
+def _e4m3_steps(got, want) -> np.ndarray:
+    """How many e4m3 steps apart two arrays of e4m3 values are, elementwise (0, 1, ...)."""
+    step = np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))), -6) - 3)
+    return np.abs(got - want) / step
+
+
+def runnable(case: Case) -> str | None:
+    """Why this machine cannot run `case`, or None: quantize_fp8's e4m3 outputs need torch or JAX
+    arrays (CuPy has no e4m3 dtype), and the check uses torch."""
+    if case.op == "quantize_fp8":
+        try:
+            import torch
+        except ImportError:
+            return "quantize_fp8 is checked through torch (CuPy has no e4m3 dtype), which is not installed"
+        if not torch.cuda.is_available():
+            return "quantize_fp8 is checked through torch (CuPy has no e4m3 dtype), which sees no GPU here"
+    return None
+
+
+def _run_quantize(case: Case, host, on_gpu: bool) -> Outcome:
+    """quantize_fp8 in fp32 on the GPU (torch tensors) against the float64 reference: descales
+    within float32 rounding (2e-6 relative), codes equal but where a value sits at a rounding
+    boundary (one step, at most 0.1% of them)."""
+    from .arrays import host_view
+
+    x = host(case.batch, case.seqlen_q, case.nheads, case.headdim)
+    block, hadamard = case.features["block"], case.features["hadamard"]
+    if on_gpu:
+        import torch
+
+        put = lambda a: torch.from_numpy(a.astype(np.float32)).to("cuda", getattr(torch, case.dtype))
+        get = lambda t: host_view(t.cpu())
+    else:
+        put, get = (lambda a: a), np.asarray
+    x8, descale = api.quantize_fp8(put(x), block=block, hadamard=hadamard, seed=7)
+    want8, want_descale = reference.quantize_fp8(x, block, 7 if hadamard else None)
+    got, want = get(x8).astype(np.float64), want8.astype(np.float64)
+    descale_err = float(np.abs(get(descale) / want_descale - 1).max(initial=0.0))
+    steps = _e4m3_steps(got, want)
+    off = int((steps > 0).sum())
+    ok = descale_err <= 2e-6 and steps.max(initial=0.0) <= 1 + 1e-9 and off <= max(1, got.size // 1000)
+    return Outcome(case, ok, f"descale rel err {descale_err:.1e} <= 2e-6, {off} of {got.size} codes one step off")
 
 
 def _slices(lengths):

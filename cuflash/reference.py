@@ -73,6 +73,7 @@ __all__ = [
     "backward",
     "varlen_forward",
     "varlen_backward",
+    "hadamard_signs",
     "hadamard_matrix",
     "quantize_fp8",
     "dequantize_fp8",
@@ -522,16 +523,20 @@ def _e4m3():
     return ml_dtypes.float8_e4m3fn
 
 
+def hadamard_signs(headdim: int, seed: int) -> np.ndarray:
+    """The transform's signs: headdim values +-1 drawn from numpy.random.default_rng(seed)."""
+    return np.random.default_rng(seed).integers(0, 2, headdim) * 2.0 - 1.0
+
+
 def hadamard_matrix(headdim: int, seed: int) -> np.ndarray:
     """(headdim, headdim) float64 orthogonal matrix diag(signs) H / sqrt(headdim): H the Sylvester
-    Hadamard matrix (headdim a power of two), signs +-1 drawn from numpy.random.default_rng(seed)."""
+    Hadamard matrix (headdim a power of two), signs hadamard_signs(headdim, seed)."""
     if headdim < 1 or headdim & (headdim - 1):
         raise ValueError(f"the Hadamard transform needs a head dim that is a power of two; got {headdim}")
     h = np.ones((1, 1))
     while h.shape[0] < headdim:
         h = np.block([[h, h], [h, -h]])
-    signs = np.random.default_rng(seed).integers(0, 2, headdim) * 2.0 - 1.0
-    return signs[:, None] * h / math.sqrt(headdim)
+    return hadamard_signs(headdim, seed)[:, None] * h / math.sqrt(headdim)
 
 
 def _row_descale(descale: np.ndarray, seqlen: int) -> np.ndarray:

@@ -195,9 +195,43 @@ def test_fp8_in_torch_and_jax_matches_numpy():
                                                        window=(16, 0)))
 
 
+def _e4m3_ulp(x):
+    """The spacing of e4m3 values around |x| (2^-9 below the normal range)."""
+    return np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(x), 2.0**-6))), -6) - 3)
+
+
 @pytest.mark.gpu
-def test_fp8_on_gpu_says_no_kernel_yet():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("headdim,block,hadamard", [(64, None, True), (128, 64, True), (256, 100, True),
+                                                    (96, None, False), (128, 1, False), (256, 128, False)])
+def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard):
+    """The GPU quantizer (fp32 arithmetic) against reference.quantize_fp8 (float64): descales within
+    float32 rounding, codes equal but for the rare value at a rounding boundary (one e4m3 step)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(headdim)
+    x = torch.randn(2, 333, 3, headdim, device="cuda", generator=g, dtype=getattr(torch, dtype))
+    x[0, ::97, 1, :5] *= 10  # outliers
+    x[1, :, 2] = 0  # an all-zero head
+    x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=11)
+    assert x8.dtype == torch.float8_e4m3fn and descale.dtype == torch.float32 and x8.is_cuda
+    want8, want_descale = reference.quantize_fp8(x.cpu().float().numpy(), block, 11 if hadamard else None)
+    np.testing.assert_allclose(descale.cpu().numpy(), want_descale, rtol=2e-6)
+    got = x8.cpu().view(torch.uint8).numpy().view(E4M3).astype(np.float64)
+    want = want8.astype(np.float64)
+    assert (np.abs(got - want) <= _e4m3_ulp(want) + 1e-12).all()
+    assert np.mean(got != want) < 1e-3, np.mean(got != want)
+
+
+@pytest.mark.gpu
+def test_quantize_fp8_refuses_cupy_arrays_by_name():
     cupy = pytest.importorskip("cupy")
-    x = cupy.zeros((1, 8, 2, 64), cupy.float16)
-    with pytest.raises(NotImplementedError, match="quantize_fp8.*no GPU kernel family implements this operation"):
-        cuflash.quantize_fp8(x)
+    with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
+        cuflash.quantize_fp8(cupy.zeros((1, 8, 2, 64), cupy.float16))
+
+
+@pytest.mark.gpu
+def test_fp8_attention_on_gpu_says_no_kernel_yet():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="attention_fp8_forward.*no GPU kernel family implements"):
+        cuflash.attention(q, q, q, fp8=True)

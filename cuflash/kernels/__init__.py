@@ -132,10 +132,10 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess, bwd_sm80, fwd_sm80, fwd_sm90
+    from . import bwd_preprocess, bwd_sm80, fwd_sm80, fwd_sm90, quantize_fp8
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
-    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, bwd_sm80.FAMILY, bwd_preprocess.FAMILY)
+    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, bwd_sm80.FAMILY, bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}

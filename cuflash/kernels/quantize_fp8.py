@@ -1,0 +1,95 @@
+"""quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of rows,
+optionally after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
+reference.quantize_fp8's). Needs the e4m3 conversion of sm_89 and newer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import reference
+from . import CXX_TYPES, Family, Variant, check_grid_yz, cxx_bool
+
+HEADDIMS = (64, 128, 256)  # compiled; a head dim below one (a multiple of 8) runs on it, zero-filled
+WARPS = 4
+
+# The kernel's QuantizeFp8Params struct, field for field.
+PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale")]
+                  + [(f"{t}_stride_{d}", np.int64) for t in ("x", "x8") for d in ("b", "s", "h")]
+                  + [("signs", np.uint64, (4,))]
+                  + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "block")])
+assert PARAMS.itemsize == 120, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 120)"
+PARAMS_BYTES = np.dtype((np.void, PARAMS.itemsize))
+
+
+@dataclass(frozen=True)
+class QuantizeFp8Variant(Variant):
+    family = "quantize_fp8"
+    source = "quantize_fp8.cu"
+    template = "cuflash::quantize_fp8"
+
+    dtype: str
+    headdim: int  # compiled
+    hadamard: bool
+    warps: int = WARPS
+
+    def check(self) -> None:
+        if self.dtype not in CXX_TYPES:
+            raise ValueError(f"quantize_fp8: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.headdim not in HEADDIMS:
+            raise ValueError(f"quantize_fp8: headdim {self.headdim} is not one of {HEADDIMS}")
+
+    def template_args(self) -> tuple[str, ...]:
+        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.hadamard), str(self.warps)
+
+
+VARIANTS = tuple(QuantizeFp8Variant(dtype, headdim, hadamard)
+                 for dtype in sorted(CXX_TYPES) for headdim in HEADDIMS for hadamard in (False, True))
+
+
+def select(problem, inputs) -> QuantizeFp8Variant:
+    if problem.headdim % 8 or not 0 < problem.headdim <= HEADDIMS[-1]:
+        raise ValueError(f"quantize_fp8 takes head dims that are multiples of 8 up to {HEADDIMS[-1]}; "
+                         f"got {problem.headdim}")
+    headdim = next(h for h in HEADDIMS if h >= problem.headdim)
+    hadamard = problem.hadamard_seed is not None
+    if hadamard and headdim != problem.headdim:  # zero-filled columns would join the transform
+        raise ValueError(f"quantize_fp8 applies the Hadamard transform to head dims {HEADDIMS} on GPU; "
+                         f"got {problem.headdim}")
+    return QuantizeFp8Variant(problem.dtype, headdim, hadamard)
+
+
+def _sign_bits(headdim: int, seed: int | None) -> list[int]:
+    """Bit j set where the transform negates element j (four 64-bit words)."""
+    words = [0] * 4
+    if seed is not None:
+        for j in np.flatnonzero(reference.hadamard_signs(headdim, seed) < 0):
+            words[j // 64] |= 1 << (j % 64)
+    return words
+
+
+def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
+    block = problem.fp8_block or 0
+    groups = -(-problem.seqlen_q // block) if block else 1
+    if groups * problem.nheads * problem.batch == 0:
+        return
+    check_grid_yz("quantize_fp8", problem.nheads, problem.batch)
+    x, x8, descale = inputs["x"], outputs["x8"], outputs["descale"]
+    params = np.empty(1, PARAMS)
+    params[0] = (x.ptr, x8.ptr, descale.ptr, *x.strides[:3], *x8.strides[:3],
+                 _sign_bits(problem.headdim, problem.hadamard_seed), problem.seqlen_q, problem.nheads,
+                 problem.headdim, block)
+    with stream:
+        function((groups, problem.nheads, problem.batch), (32 * variant.warps,), (params.view(PARAMS_BYTES),))
+
+
+FAMILY = Family(
+    name="quantize_fp8",
+    backend="sm89",
+    ops=("quantize_fp8",),
+    description="fp16/bf16 to e4m3 with amax scales per head or per row block, optional Hadamard transform",
+    min_compute_capability=(8, 9),
+    variants_for=lambda compute_capability: VARIANTS,
+    select=select,
+    launch=launch,
+)
