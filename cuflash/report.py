@@ -49,7 +49,8 @@ def render(results: list[dict], title: str = "Forward") -> str:
     gpu = rows[0]["gpu"] if rows else "?"
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
-           f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions; "
+           f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
+           + ("; jax-cudnn timed back to back in its own process" if "jax-cudnn" in peers else "") + "; "
            f"{_clock_range(rows)}).",
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN | clock MHz |",
