@@ -407,7 +407,9 @@ def _check_descale(info: ArrayInfo, batch: int, nheads: int, seqlen: int) -> Non
 def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     """x (batch, seqlen, nheads, headdim), float16/bfloat16/float32 -> (x8, descale).
 
-    x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the largest magnitude of
+    x: float16 or bfloat16 (float32 too on the CPU reference); torch or JAX arrays on GPU (CuPy has
+    no e4m3 dtype for x8). x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the
+    largest magnitude (NaNs ignored) of
     each scale's rows mapped to e4m3's 448. block=None: one scale per (batch, head), descale
     (batch, nheads); block=B: one per B rows of each head, descale (batch, nheads, seqlen) (each row
     holds its block's scale: the layout attention_fp8 takes). hadamard=True first multiplies the
@@ -421,17 +423,24 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     _check_rank(info, 4, _ATTENTION_LAYOUT)
     _check_unit_last_stride(info)
     _check_dtype_supported("quantize_fp8", info)
-    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1):
-        raise ValueError(f"block must be None (one scale per head) or a positive int (rows per scale); got {block!r}")
+    expected = "None (one scale per head) or a positive int (rows per scale)"
+    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
+        raise TypeError(f"block must be {expected}; got {block!r}")
+    if block is not None and block < 1:
+        raise ValueError(f"block must be {expected}; got {block!r}")
     hadamard = _check_flag("hadamard", hadamard)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int >= 0; got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
     batch, seqlen, nheads, headdim = info.shape
+    if block is not None:
+        block = min(int(block), max(seqlen, 1))  # one block covers the sequence either way
     if hadamard and (headdim < 1 or headdim & (headdim - 1)):
         raise ValueError(f"hadamard=True needs a head dim that is a power of two; x has {headdim}")
     problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype, batch=batch,
                       seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
-                      fp8_block=None if block is None else int(block), hadamard_seed=int(seed) if hadamard else None)
+                      fp8_block=block, hadamard_seed=int(seed) if hadamard else None)
     descale_shape = (batch, nheads) if block is None else (batch, nheads, seqlen)
     return dispatch.run(problem, dict(x=x), dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32")))
 
@@ -464,12 +473,21 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
 
 
 def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard):
-    """attention(..., fp8=True): quantize_fp8 then attention_fp8, out in q's dtype."""
-    dtype = arrays.describe("q", q).dtype
+    """attention(..., fp8=True): quantize_fp8 then attention_fp8, out in q's dtype. Every argument is
+    checked before anything is quantized."""
+    infos = _describe_all(dict(q=q, k=k, v=v))
+    dtype = infos["q"].dtype
     if dtype not in FP8_OUT_DTYPES:
         raise TypeError(f"fp8=True quantizes float16 or bfloat16 q, k and v; q has dtype {dtype}")
     if _finite_float("softcap", softcap, "0 with fp8=True") != 0:
         raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
+    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
+    _check_flag("return_lse", return_lse)
+    if hadamard and problem.headdim & (problem.headdim - 1):
+        raise ValueError(f"hadamard=True needs a head dim that is a power of two; q has {problem.headdim}")
+    if problem.device.is_cuda and not dispatch.supported_dtypes("attention_fp8_forward", problem.device):
+        raise NotImplementedError("cuflash has no GPU kernel for FP8 attention yet (attention_fp8_forward): "
+                                  "fp8=True runs on CPU arrays only, through the reference")
     q8, q_descale = quantize_fp8(q, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     k8, k_descale = quantize_fp8(k, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     v8, v_descale = quantize_fp8(v, block=FP8_BLOCK)

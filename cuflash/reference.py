@@ -553,13 +553,14 @@ def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     if hadamard_seed is not None:
         x = x @ hadamard_matrix(x.shape[-1], hadamard_seed)
     b, s, h, d = x.shape
+    # NaNs do not count towards amax (a NaN stays NaN in x8); a group of NaNs only gets descale 1.
     if block is None:
-        amax = np.abs(x).max(axis=(1, 3), initial=0.0)  # (B, H)
+        amax = np.fmax.reduce(np.abs(x), axis=(1, 3), initial=0.0)  # (B, H)
     else:
         blocks = -(-s // block)
         padded = np.zeros((b, blocks * block, h, d))
         padded[:, :s] = x
-        amax = np.abs(padded.reshape(b, blocks, block, h, d)).max(axis=(2, 4), initial=0.0)  # (B, blocks, H)
+        amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, block, h, d)), axis=(2, 4), initial=0.0)
         amax = np.repeat(np.swapaxes(amax, 1, 2), block, axis=2)[:, :, :s]  # (B, H, S)
     descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     scaled = np.clip(x / _row_descale(descale, s), -E4M3_MAX, E4M3_MAX)  # e4m3fn has no inf: never overflow

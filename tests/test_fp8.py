@@ -38,6 +38,30 @@ def test_hadamard_is_orthogonal_and_cancels_in_qk():
         reference.hadamard_matrix(96, 0)
 
 
+def test_quantize_transforms_with_x_times_the_hadamard_matrix():
+    """The direction of the transform (x @ M with M = diag(signs) H / sqrt(d)), which q k^T alone
+    cannot tell from M^T: the round trip lands on x @ M."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 40, 2, 128))
+    x8, descale = cuflash.quantize_fp8(x, block=8, hadamard=True, seed=4)
+    want = x @ reference.hadamard_matrix(128, 4)
+    back = reference.dequantize_fp8(x8, descale)
+    assert (np.abs(back - want) <= REL * np.abs(want) + ABS * np.swapaxes(descale, 1, 2)[..., None] + 1e-12).all()
+    assert np.abs(back - x @ reference.hadamard_matrix(128, 4).T).max() > 0.5  # M^T is another matrix
+
+
+def test_quantize_ignores_nans_for_the_scale_and_clamps_the_block():
+    x = np.random.default_rng(9).standard_normal((1, 8, 1, 64))
+    clean8, clean_descale = cuflash.quantize_fp8(x)
+    x[0, 3, 0, 5] = np.nan
+    x8, descale = cuflash.quantize_fp8(x)
+    assert descale == clean_descale and np.isnan(x8.astype(np.float32)).sum() == 1
+    same = x8.astype(np.float32) == clean8.astype(np.float32)
+    assert same.sum() == x.size - 1
+    huge8, huge_descale = cuflash.quantize_fp8(x, block=2**40)  # one block for the whole sequence
+    assert huge_descale.shape == (1, 1, 8) and (huge_descale == descale[0, 0]).all()
+
+
 @pytest.mark.parametrize("block", [None, 1, 16, 128])
 def test_quantize_maps_each_scale_group_to_448_and_round_trips(block):
     rng = np.random.default_rng(1)
@@ -133,6 +157,19 @@ def test_accuracy_study_outliers():
     ra, rb, rc = _rmse(a, want), _rmse(b, want), _rmse(c, want)
     print(f"RMSE (a) per tensor {ra:.2e}, (b) block 128 {rb:.2e}, (c) block 128 + Hadamard {rc:.2e}; (a)/(c) {ra / rc:.2f}")
     assert rc < rb < ra and ra / rc > 1.5
+    # As a kernel would also round P: unnormalised (row max 1) to e4m3 before P V, the sum unrounded.
+    pa = _attention_p_e4m3(*(reference.dequantize_fp8(*per_tensor(x)) for x in (q, k, v)))
+    pc = _attention_p_e4m3(*(reference.dequantize_fp8(x8, d) for x8, d in quant))
+    print(f"with P in e4m3: (a) {_rmse(pa, want):.2e}, (c) {_rmse(pc, want):.2e}, "
+          f"(a)/(c) {_rmse(pa, want) / _rmse(pc, want):.2f}")
+    assert _rmse(pa, want) / _rmse(pc, want) > 1.5
+
+
+def _attention_p_e4m3(q, k, v):
+    """Non-causal MHA (equal head counts) with P = exp(s - rowmax) rounded to e4m3 before P V."""
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p.astype(E4M3).astype(np.float64) / p.sum(axis=-1, keepdims=True), v)
 
 
 def test_attention_with_fp8_true_quantizes_on_the_fly():
@@ -163,6 +200,10 @@ def test_fp8_arguments_are_checked_by_name():
         cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=np.float32)
     with pytest.raises(ValueError, match="block must be None"):
         cuflash.quantize_fp8(q, block=0)
+    with pytest.raises(TypeError, match="block must be None"):
+        cuflash.quantize_fp8(q, block=2.0)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        cuflash.quantize_fp8(q, hadamard=True, seed=-1)
     with pytest.raises(ValueError, match="power of two"):
         cuflash.quantize_fp8(np.zeros((1, 4, 1, 96), np.float16), hadamard=True)
     with pytest.raises(TypeError, match="x has dtype float8_e4m3fn"):
@@ -173,6 +214,24 @@ def test_fp8_arguments_are_checked_by_name():
         cuflash.attention(q, q, q, fp8=True, softcap=5.0)
     with pytest.raises(TypeError, match="fp8=True quantizes float16 or bfloat16"):
         cuflash.attention(*(x.astype(np.float32) for x in (q, q, q)), fp8=True)
+
+
+def test_attention_fp8_true_checks_everything_before_quantizing(monkeypatch):
+    def no_quantizing(*args, **kw):
+        raise AssertionError("quantized before the arguments were checked")
+
+    monkeypatch.setattr(cuflash.api, "quantize_fp8", no_quantizing)
+    q = np.zeros((1, 8, 3, 64), np.float16)
+    with pytest.raises(TypeError, match="k has dtype float32 but q has float16"):
+        cuflash.attention(q, q[:, :, :1].astype(np.float32), q[:, :, :1], fp8=True)
+    with pytest.raises(ValueError, match=r"nheads of q \(3\) must be a multiple"):
+        cuflash.attention(q, q[:, :, :2], q[:, :, :2], fp8=True)
+    with pytest.raises(TypeError, match="window must be a pair"):
+        cuflash.attention(q, q, q, fp8=True, window=3)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cuflash.attention(q, q, q, fp8=True, return_lse=None)
+    with pytest.raises(ValueError, match="power of two"):
+        cuflash.attention(*(np.zeros((1, 8, 1, 96), np.float16),) * 3, fp8=True, hadamard=True)
 
 
 def test_fp8_in_torch_and_jax_matches_numpy():
@@ -233,5 +292,8 @@ def test_quantize_fp8_refuses_cupy_arrays_by_name():
 def test_fp8_attention_on_gpu_says_no_kernel_yet():
     torch = pytest.importorskip("torch")
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="attention_fp8_forward.*no GPU kernel family implements"):
+    with pytest.raises(NotImplementedError, match="no GPU kernel for FP8 attention yet"):
         cuflash.attention(q, q, q, fp8=True)
+    q8, descale = cuflash.quantize_fp8(q)
+    with pytest.raises(NotImplementedError, match="attention_fp8_forward.*no GPU kernel family implements"):
+        cuflash.attention_fp8(q8, q8, q8, descale, descale, descale)

@@ -72,13 +72,40 @@ def test_check_catches_wrong_outputs(monkeypatch):
     for seed in range(4):
         rng = np.random.default_rng(seed)
         for case in check.draw_cases(rng, (8, 0), per_op=2):
-            if case.op in ("backward_preprocess", "quantize_fp8"):
+            if case.op == "backward_preprocess":
                 continue
             outcome = check.run_case(case, rng, on_gpu=False)
             assert not outcome.ok, (case.describe(), outcome.detail)
             checked.add((case.op, case.dtype))
     ops = ("attention_forward", "attention_varlen_forward", "attention_backward", "attention_varlen_backward")
     assert checked == {(op, dtype) for op in ops for dtype in ("float16", "bfloat16")}, checked
+
+
+@pytest.mark.parametrize("wrong", ["codes", "descale", "seed"])
+def test_check_catches_a_wrong_quantizer(monkeypatch, wrong):
+    """quantize_fp8's check fails for codes one step off everywhere, descales 1% off, or another
+    transform seed."""
+    quantize = api.quantize_fp8
+
+    def broken(x, **kw):
+        if wrong == "seed":
+            kw["seed"] = kw["seed"] + 1
+        x8, descale = quantize(x, **kw)
+        if wrong == "codes":
+            x8 = (x8.astype(np.float32) * 1.2).astype(x8.dtype)
+        if wrong == "descale":
+            descale = descale * np.float32(1.01)
+        return x8, descale
+
+    monkeypatch.setattr(api, "quantize_fp8", broken)
+    rng = np.random.default_rng(0)
+    cases = [c for c in check.draw_cases(rng, (9, 0), per_op=6) if c.op == "quantize_fp8"]
+    if wrong == "seed":
+        cases = [c for c in cases if c.features["hadamard"]]
+    assert cases
+    for case in cases:
+        outcome = check.run_case(case, rng, on_gpu=False)
+        assert not outcome.ok, (case.describe(), outcome.detail)
 
 
 def test_bench_sizing_is_flashattention3s():

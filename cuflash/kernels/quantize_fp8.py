@@ -64,7 +64,7 @@ def _sign_bits(headdim: int, seed: int | None) -> list[int]:
     words = [0] * 4
     if seed is not None:
         for j in np.flatnonzero(reference.hadamard_signs(headdim, seed) < 0):
-            words[j // 64] |= 1 << (j % 64)
+            words[int(j) // 64] |= 1 << (int(j) % 64)
     return words
 
 
