@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -64,8 +63,7 @@ def main(argv=None) -> int:
         rows = bench.run(grid, backward=args.backward, reps=args.reps, warmup=args.warmup, xp=xp,
                          extra=("deterministic",) if args.backward else ("sm80",), annotate=tile_annotation(args))
     name = "fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward else "fwd_torch.json"
-    document = bench.document(rows, reps=args.reps, command=" ".join(sys.argv))
-    (args.out / name).write_text(json.dumps(document, indent=1))
+    bench.save(args.out / name, rows, reps=args.reps, command=" ".join(sys.argv))
     return 0
 
 

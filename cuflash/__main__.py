@@ -178,8 +178,6 @@ def _show_reference() -> None:
           f"{out[0, 0, 0, 0]} == {v[0, 0, 0, 0]} ({bool(out[0, 0, 0, 0] == v[0, 0, 0, 0])})")
 
 
-
-
 def cmd_run(args) -> int:
     """The main job."""
     from pathlib import Path
@@ -243,14 +241,14 @@ def cmd_run(args) -> int:
           f"{bench.HIDDEN}), {len(grid)} configurations, forward then backward; peers: {peers}.")
     command = "python -m cuflash " + " ".join(args.argv)
     fwd = bench.run(grid, reps=args.reps, warmup=3, xp=xp)
-    (out_dir / f"fwd_{xp.name}.json").write_text(json.dumps(bench.document(fwd, reps=args.reps, command=command)))
+    bench.save(out_dir / f"fwd_{xp.name}.json", fwd, reps=args.reps, command=command)
     jax_rows, why_not = bench.run_jax_process(grid, args.reps)
     if jax_rows:
-        (out_dir / "fwd_jax.json").write_text(json.dumps(bench.document(jax_rows, reps=args.reps, command=command)))
+        bench.save(out_dir / "fwd_jax.json", jax_rows, reps=args.reps, command=command)
     else:
         print(f"  JAX's cuDNN attention not measured: {why_not}")
     bwd = bench.run(grid, backward=True, reps=args.reps, warmup=3, xp=xp)
-    (out_dir / f"bwd_{xp.name}.json").write_text(json.dumps(bench.document(bwd, reps=args.reps, command=command)))
+    bench.save(out_dir / f"bwd_{xp.name}.json", bwd, reps=args.reps, command=command)
     charts = report.charts_available()
     written = report.write(out_dir, charts)
     for path in written:

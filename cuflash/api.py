@@ -404,6 +404,11 @@ def _check_descale(info: ArrayInfo, batch: int, nheads: int, seqlen: int) -> Non
     _check_unit_last_stride(info)
 
 
+def _check_hadamard_headdim(name: str, headdim: int) -> None:
+    if headdim < 1 or headdim & (headdim - 1):
+        raise ValueError(f"hadamard=True needs a head dim that is a power of two; {name} has {headdim}")
+
+
 def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     """x (batch, seqlen, nheads, headdim), float16/bfloat16/float32 -> (x8, descale).
 
@@ -436,8 +441,8 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     batch, seqlen, nheads, headdim = info.shape
     if block is not None:
         block = min(int(block), max(seqlen, 1))  # one block covers the sequence either way
-    if hadamard and (headdim < 1 or headdim & (headdim - 1)):
-        raise ValueError(f"hadamard=True needs a head dim that is a power of two; x has {headdim}")
+    if hadamard:
+        _check_hadamard_headdim("x", headdim)
     problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype, batch=batch,
                       seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
                       fp8_block=block, hadamard_seed=int(seed) if hadamard else None)
@@ -483,8 +488,8 @@ def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return
         raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
     problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
     _check_flag("return_lse", return_lse)
-    if hadamard and problem.headdim & (problem.headdim - 1):
-        raise ValueError(f"hadamard=True needs a head dim that is a power of two; q has {problem.headdim}")
+    if hadamard:
+        _check_hadamard_headdim("q", problem.headdim)
     if problem.device.is_cuda and not dispatch.supported_dtypes("attention_fp8_forward", problem.device):
         raise NotImplementedError("cuflash has no GPU kernel for FP8 attention yet (attention_fp8_forward): "
                                   "fp8=True runs on CPU arrays only, through the reference")

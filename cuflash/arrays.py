@@ -154,12 +154,6 @@ def describe(name: str, x: Any) -> ArrayInfo:
                      _contiguous_strides(shape), traced=traced)
 
 
-def _bfloat16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
 # NumPy knows these through ml_dtypes only (not by name).
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn")
 

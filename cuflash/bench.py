@@ -378,7 +378,8 @@ def run_jax_process(grid: list[Config], reps: int = 30) -> tuple[list[dict], str
     return json.loads(child.stdout.strip().splitlines()[-1]), None
 
 
-def document(rows: list[dict], *, reps: int, command: str) -> dict:
-    """The JSON a run writes: its rows and what they were measured with."""
-    return dict(meta=dict(date=time.strftime("%Y-%m-%d"), versions=versions(), tokens=TOKENS, hidden=HIDDEN,
-                          reps=reps, command=command), rows=rows)
+def save(path, rows: list[dict], *, reps: int, command: str) -> None:
+    """Write a run's JSON (what cuflash.report reads): its rows and what they were measured with."""
+    meta = dict(date=time.strftime("%Y-%m-%d"), versions=versions(), tokens=TOKENS, hidden=HIDDEN, reps=reps,
+                command=command)
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

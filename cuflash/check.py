@@ -195,12 +195,6 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
     return Outcome(case, ok, ", ".join(parts))
 
 
-def _e4m3_steps(got, want) -> np.ndarray:
-    """How many e4m3 steps apart two arrays of e4m3 values are, elementwise (0, 1, ...)."""
-    step = np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))), -6) - 3)
-    return np.abs(got - want) / step
-
-
 def runnable(case: Case) -> str | None:
     """Why this machine cannot run `case`, or None: quantize_fp8's e4m3 outputs need torch or JAX
     arrays (CuPy has no e4m3 dtype), and the check uses torch."""
@@ -233,7 +227,7 @@ def _run_quantize(case: Case, host, on_gpu: bool) -> Outcome:
     want8, want_descale = reference.quantize_fp8(x, block, 7 if hadamard else None)
     got, want = get(x8).astype(np.float64), want8.astype(np.float64)
     descale_err = float(np.abs(get(descale) / want_descale - 1).max(initial=0.0))
-    steps = _e4m3_steps(got, want)
+    steps = np.abs(got - want) / reference.e4m3_spacing(want)  # e4m3 steps apart
     off = int((steps > 0).sum())
     ok = descale_err <= 2e-6 and steps.max(initial=0.0) <= 1 + 1e-9 and off <= max(1, got.size // 1000)
     return Outcome(case, ok, f"descale rel err {descale_err:.1e} <= 2e-6, {off} of {got.size} codes one step off")

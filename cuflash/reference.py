@@ -73,6 +73,7 @@ __all__ = [
     "backward",
     "varlen_forward",
     "varlen_backward",
+    "e4m3_spacing",
     "hadamard_signs",
     "hadamard_matrix",
     "quantize_fp8",
@@ -521,6 +522,12 @@ def _e4m3():
     import ml_dtypes
 
     return ml_dtypes.float8_e4m3fn
+
+
+def e4m3_spacing(x) -> np.ndarray:
+    """The distance between neighbouring e4m3 values around |x|: 2^(e - 3) for |x| in [2^e, 2^(e+1)),
+    2^-9 below the normal range (e >= -6)."""
+    return np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(x), 2.0**-6))), -6) - 3)
 
 
 def hadamard_signs(headdim: int, seed: int) -> np.ndarray:

@@ -254,11 +254,6 @@ def test_fp8_in_torch_and_jax_matches_numpy():
                                                        window=(16, 0)))
 
 
-def _e4m3_ulp(x):
-    """The spacing of e4m3 values around |x| (2^-9 below the normal range)."""
-    return np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(x), 2.0**-6))), -6) - 3)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("headdim,block,hadamard", [(64, None, True), (128, 64, True), (256, 100, True),
@@ -277,7 +272,7 @@ def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadama
     np.testing.assert_allclose(descale.cpu().numpy(), want_descale, rtol=2e-6)
     got = x8.cpu().view(torch.uint8).numpy().view(E4M3).astype(np.float64)
     want = want8.astype(np.float64)
-    assert (np.abs(got - want) <= _e4m3_ulp(want) + 1e-12).all()
+    assert (np.abs(got - want) <= reference.e4m3_spacing(want) + 1e-12).all()
     assert np.mean(got != want) < 1e-3, np.mean(got != want)
 
 
