@@ -1,16 +1,17 @@
 // FP8 quantization for attention inputs (cuflash.quantize_fp8): x (batch, seqlen, nheads, headdim)
 // fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 over each
-// group of rows of a head: the whole head (kBlock == 0, descale (batch, nheads)) or blocks of
-// `block` rows (descale (batch, nheads, seqlen), each row holding its block's). kHadamard first
+// group of rows of a head: the whole head (block == 0, descale (batch, nheads)) or blocks of
+// `block` rows (block == 128 from cuflash: descale (batch, nheads, nblocks), nblocks =
+// ceil(seqlen / block), one scale per block, the last block possibly short). kHadamard first
 // multiplies every row by diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix,
 // headdim == kHeadDim a power of two): the semantics are reference.quantize_fp8's.
 //
-// One CTA per (group, head, batch); one warp per row at a time, lane l holding elements
-// [l * kE, l * kE + kE) (kE = kHeadDim / 32). Two passes over the group's rows: the first finds
-// the amax (of the transformed rows), the second converts; the rows are read twice (the second
-// time mostly from L2) rather than held, so any group length works. The transform is the fast
-// Walsh-Hadamard butterfly: strides below kE within a lane's registers, the others across lanes
-// with shuffles.
+// One CTA per (group, head, batch), writing the group's one descale; one warp per row at a time,
+// lane l holding elements [l * kE, l * kE + kE) (kE = kHeadDim / 32). Two passes over the group's
+// rows: the first finds the amax (of the transformed rows), the second converts; the rows are
+// read twice (the second time mostly from L2) rather than held, so any group length works. The
+// transform is the fast Walsh-Hadamard butterfly: strides below kE within a lane's registers, the
+// others across lanes with shuffles.
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(32 * kWarps) quantize_fp8(const __grid_constan
   const float descale = amax > 0.f ? amax / kE4m3Max : 1.f;
 
   unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
-  float* descale_row = p.descale + (static_cast<long long>(b) * p.nheads + h) * (p.block ? p.seqlen : 1);
-  if (!p.block && threadIdx.x == 0) *descale_row = descale;
+  const int nblocks = p.block ? (p.seqlen + p.block - 1) / p.block : 1;  // == gridDim.x
+  if (threadIdx.x == 0) p.descale[(static_cast<long long>(b) * p.nheads + h) * nblocks + blockIdx.x] = descale;
   for (int r = row0 + warp; r < row1; r += kWarps) {
     float v[kE];
     load_row<T, kHeadDim, kHadamard>(p, x + r * p.x_stride_s, lane, v);
@@ -115,7 +116,6 @@ __global__ void __launch_bounds__(32 * kWarps) quantize_fp8(const __grid_constan
         *reinterpret_cast<unsigned short*>(out + e) = e4m3x2(v[e + 1] / descale, v[e] / descale);
       }
     }
-    if (p.block && lane == 0) descale_row[r] = descale;
   }
 }
 

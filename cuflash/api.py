@@ -201,7 +201,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     (NotImplementedError saying why, if it can't).
 
     fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (`quantize_fp8`, one scale per
-    FP8_BLOCK rows of each head) and runs `attention_fp8`, out in q's dtype; hadamard=True also
+    FP8_BLOCK = 128 rows of each head) and runs `attention_fp8`, out in q's dtype; hadamard=True also
     applies the random Hadamard transform to q and k first (incoherent processing: it cancels in
     q k^T and spreads outliers). No softcap with fp8.
     """
@@ -376,7 +376,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_OUT_DTYPES = ("bfloat16", "float16")
-FP8_BLOCK = 128  # attention(..., fp8=True): rows per quantization scale
+FP8_BLOCK = reference.FP8_BLOCK  # rows per block scale: quantize_fp8's one block size, attention(..., fp8=True)'s
 _FP8_SEED = 0  # attention(..., fp8=True, hadamard=True): the transform's seed (any works: it cancels)
 
 
@@ -397,10 +397,10 @@ def _dtype_arg(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 def _check_descale(info: ArrayInfo, batch: int, nheads: int, seqlen: int) -> None:
     if info.dtype != "float32":
         raise TypeError(f"{info.name} must be float32 (as quantize_fp8 returns it); got {info.dtype}")
-    per_head, per_row = (batch, nheads), (batch, nheads, seqlen)
-    if info.shape not in (per_head, per_row):
-        raise ValueError(f"{info.name} must have shape {per_head} (one scale per head) or {per_row} (one per "
-                         f"row); got {info.shape}")
+    per_head, per_block = (batch, nheads), (batch, nheads, reference.fp8_blocks(seqlen))
+    if info.shape not in (per_head, per_block):
+        raise ValueError(f"{info.name} must have shape {per_head} (one scale per head) or {per_block} (one scale "
+                         f"per {FP8_BLOCK} rows of {seqlen}, the last block possibly short); got {info.shape}")
     _check_unit_last_stride(info)
 
 
@@ -414,12 +414,14 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
 
     x: float16 or bfloat16 (float32 too on the CPU reference); torch or JAX arrays on GPU (CuPy has
     no e4m3 dtype for x8). x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the
-    largest magnitude (NaNs ignored) of
-    each scale's rows mapped to e4m3's 448. block=None: one scale per (batch, head), descale
-    (batch, nheads); block=B: one per B rows of each head, descale (batch, nheads, seqlen) (each row
-    holds its block's scale: the layout attention_fp8 takes). hadamard=True first multiplies the
-    head dim by a Hadamard matrix with random signs drawn from `seed` (headdim a power of two):
-    give q and k the same seed, and never transform v (reference.hadamard_matrix).
+    largest magnitude (NaNs ignored) of each scale's rows mapped to e4m3's 448 (an all-zero group
+    gets 1). block=None: one scale per (batch, head), descale (batch, nheads); block=128
+    (FP8_BLOCK, the only block size: attention_fp8 takes scales per 128 rows, as its GPU kernel
+    applies K and V descales once per block of 128 keys): one scale per 128 rows of each head,
+    descale (batch, nheads, ceil(seqlen / 128)), row r's scale at [..., r // 128] (the last block
+    may be short). hadamard=True first multiplies the head dim by a Hadamard matrix with random
+    signs drawn from `seed` (headdim a power of two): give q and k the same seed, and never
+    transform v (reference.hadamard_matrix).
     """
     info = _describe_all(dict(x=x))["x"]
     if info.framework == "cupy":
@@ -428,10 +430,11 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     _check_rank(info, 4, _ATTENTION_LAYOUT)
     _check_unit_last_stride(info)
     _check_dtype_supported("quantize_fp8", info)
-    expected = "None (one scale per head) or a positive int (rows per scale)"
+    expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
+                f"scales per {FP8_BLOCK} rows)")
     if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
         raise TypeError(f"block must be {expected}; got {block!r}")
-    if block is not None and block < 1:
+    if block is not None and block != FP8_BLOCK:
         raise ValueError(f"block must be {expected}; got {block!r}")
     hadamard = _check_flag("hadamard", hadamard)
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -440,13 +443,13 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
         raise ValueError(f"seed must be an int >= 0; got {seed!r}")
     batch, seqlen, nheads, headdim = info.shape
     if block is not None:
-        block = min(int(block), max(seqlen, 1))  # one block covers the sequence either way
+        block = FP8_BLOCK  # a plain int (not a NumPy integer) in the Problem
     if hadamard:
         _check_hadamard_headdim("x", headdim)
     problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype, batch=batch,
                       seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
                       fp8_block=block, hadamard_seed=int(seed) if hadamard else None)
-    descale_shape = (batch, nheads) if block is None else (batch, nheads, seqlen)
+    descale_shape = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
     return dispatch.run(problem, dict(x=x), dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32")))
 
 
@@ -454,8 +457,10 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
                   out_dtype="bfloat16", return_lse=False, backend=None):
     """`attention` on e4m3 inputs: q8 (batch, seqlen_q, nheads, headdim), k8 and v8 (batch, seqlen_k,
     nheads_kv, headdim), float8_e4m3fn, with float32 descale factors (quantize_fp8's): each of shape
-    (batch, heads) or (batch, heads, seqlen) for its own tensor. Computes attention of q8 * q_descale,
-    k8 * k_descale and v8 * v_descale (masks, GQA and the scale as in `attention`); out in out_dtype
+    (batch, heads) (one scale per head) or (batch, heads, ceil(seqlen / 128)) (one scale per 128
+    rows, FP8_BLOCK; row r takes [..., r // 128], the last block may be short) for its own tensor.
+    Computes attention of q8 * q_descale, k8 * k_descale and v8 * v_descale, each descale expanded
+    to its rows (masks, GQA and the scale as in `attention`); out in out_dtype
     (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True.
     """
     return_lse = _check_flag("return_lse", return_lse)

@@ -78,8 +78,8 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}
-    if op == "quantize_fp8":  # block size and transform (a power-of-two head dim) as features
-        features["block"] = [None, 64, int(rng.integers(1, 300))][int(rng.integers(3))]
+    if op == "quantize_fp8":  # per head or per 128-row block, and the transform (a power-of-two head dim)
+        features["block"] = (None, reference.FP8_BLOCK)[int(rng.integers(2))]
         features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
     elif op != "backward_preprocess":
         if rng.random() < 0.5:

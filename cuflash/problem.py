@@ -48,7 +48,7 @@ class Problem:
     backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
     deterministic: bool = False  # backward ops: bit-identical gradients from run to run
     out_dtype: str | None = None  # attention_fp8_forward: out's dtype (its inputs are float8_e4m3fn)
-    fp8_block: int | None = None  # quantize_fp8: rows per scale (None: one scale per head)
+    fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
     hadamard_seed: int | None = None  # quantize_fp8: the transform's seed (None: no transform)
 
     def __post_init__(self):

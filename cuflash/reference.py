@@ -74,6 +74,8 @@ __all__ = [
     "varlen_forward",
     "varlen_backward",
     "e4m3_spacing",
+    "FP8_BLOCK",
+    "fp8_blocks",
     "hadamard_signs",
     "hadamard_matrix",
     "quantize_fp8",
@@ -507,7 +509,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, caus
 # ---------------------------------------------------------------------------
 #
 # x8 = round_e4m3(x / descale) with descale = amax / 448 taken per (batch, head)
-# or per block of `block` rows of each (batch, head); x ~ x8 * descale. Before
+# or per block of FP8_BLOCK rows of each (batch, head); x ~ x8 * descale. Before
 # quantizing q and k, `hadamard` multiplies their head dim by the orthogonal
 # matrix hadamard_matrix(headdim, seed): with the same seed for both, q k^T is
 # unchanged (H H^T = I) while outlier coordinates are spread over all of them
@@ -516,6 +518,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, caus
 # quantization is the only difference from `forward`.
 
 E4M3_MAX = 448.0
+FP8_BLOCK = 128  # rows per block scale: the one block size quantize_fp8 and attention_fp8 take (the GPU
+# FP8 attention kernel applies the K and V descales once per block of 128 keys)
 
 
 def _e4m3():
@@ -546,16 +550,33 @@ def hadamard_matrix(headdim: int, seed: int) -> np.ndarray:
     return hadamard_signs(headdim, seed)[:, None] * h / math.sqrt(headdim)
 
 
-def _row_descale(descale: np.ndarray, seqlen: int) -> np.ndarray:
-    """A descale of shape (B, H) or (B, H, S) as a factor broadcasting over (B, S, H, D)."""
+def fp8_blocks(seqlen: int) -> int:
+    """How many block scales a head of `seqlen` rows has: ceil(seqlen / FP8_BLOCK) (the last block
+    may be short)."""
+    return -(-seqlen // FP8_BLOCK)
+
+
+def _row_descale(descale, seqlen: int) -> np.ndarray:
+    """A descale of shape (B, H) (one per head) or (B, H, fp8_blocks(S)) (one per FP8_BLOCK rows:
+    row r takes block r // FP8_BLOCK) as a factor broadcasting over (B, S, H, D)."""
     d = np.asarray(descale, np.float64)
-    return d[:, None, :, None] if d.ndim == 2 else np.swapaxes(d, 1, 2)[..., None]
+    if d.ndim == 2:
+        return d[:, None, :, None]
+    if d.ndim != 3 or d.shape[2] != fp8_blocks(seqlen):
+        raise ValueError(f"a descale has shape (B, H) or (B, H, {fp8_blocks(seqlen)}) (one scale per {FP8_BLOCK} of "
+                         f"{seqlen} rows); got {d.shape}")
+    rows = np.repeat(d, FP8_BLOCK, axis=2)[:, :, :seqlen]  # (B, H, S)
+    return np.swapaxes(rows, 1, 2)[..., None]
 
 
 def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     """x (B, S, H, D) -> (x8 float8_e4m3fn (B, S, H, D), descale float32): descale (B, H) with one
-    scale per head (block None), or (B, H, S) with block rows sharing one scale (each row holds
-    its block's). An all-zero head or block gets descale 1."""
+    scale per head (block None), or (B, H, ceil(S / FP8_BLOCK)) with one scale per block of
+    FP8_BLOCK rows (block FP8_BLOCK, the only block size; the last block may be short). An
+    all-zero head or block gets descale 1."""
+    if block is not None and block != FP8_BLOCK:
+        raise ValueError(f"block must be None or {FP8_BLOCK} (attention_fp8 takes scales per {FP8_BLOCK} rows); "
+                         f"got {block!r}")
     x = _cast(x, np.float64)
     if hadamard_seed is not None:
         x = x @ hadamard_matrix(x.shape[-1], hadamard_seed)
@@ -564,18 +585,19 @@ def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     if block is None:
         amax = np.fmax.reduce(np.abs(x), axis=(1, 3), initial=0.0)  # (B, H)
     else:
-        blocks = -(-s // block)
-        padded = np.zeros((b, blocks * block, h, d))
+        blocks = fp8_blocks(s)
+        padded = np.zeros((b, blocks * FP8_BLOCK, h, d))  # zero rows leave amax as it is
         padded[:, :s] = x
-        amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, block, h, d)), axis=(2, 4), initial=0.0)
-        amax = np.repeat(np.swapaxes(amax, 1, 2), block, axis=2)[:, :, :s]  # (B, H, S)
+        amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, FP8_BLOCK, h, d)), axis=(2, 4), initial=0.0)
+        amax = np.swapaxes(amax, 1, 2)  # (B, H, blocks)
     descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     scaled = np.clip(x / _row_descale(descale, s), -E4M3_MAX, E4M3_MAX)  # e4m3fn has no inf: never overflow
     return scaled.astype(_e4m3()), descale
 
 
 def dequantize_fp8(x8, descale) -> np.ndarray:
-    """x8 * descale in float64 (descale (B, H) or (B, H, S), as quantize_fp8 returns it)."""
+    """x8 * descale in float64: descale (B, H), or (B, H, ceil(S / FP8_BLOCK)) expanded to rows (row r
+    takes block r // FP8_BLOCK), as quantize_fp8 returns it."""
     x8 = np.asarray(x8)
     return x8.astype(np.float64) * _row_descale(descale, x8.shape[1])
 

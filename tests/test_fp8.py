@@ -17,6 +17,16 @@ REL = 2.0**-4  # e4m3 keeps 3 mantissa bits: half an ulp is at most 2^-4 of the 
 ABS = 2.0**-10  # half the smallest subnormal (2^-9), in units of the descale
 
 
+def _rows(descale, seqlen):
+    """A descale (B, H) or (B, H, ceil(S / 128)) as a factor over x (B, S, H, D), expanded here
+    independently of the reference: row r takes block r // 128."""
+    descale = np.asarray(descale, np.float64)
+    if descale.ndim == 2:
+        return descale[:, None, :, None]
+    assert descale.shape[2] == -(-seqlen // 128)
+    return np.swapaxes(np.repeat(descale, 128, axis=2)[:, :, :seqlen], 1, 2)[..., None]
+
+
 def _normal(rng, shape, outliers=0.0):
     x = rng.standard_normal(shape)
     if outliers:
@@ -42,15 +52,15 @@ def test_quantize_transforms_with_x_times_the_hadamard_matrix():
     """The direction of the transform (x @ M with M = diag(signs) H / sqrt(d)), which q k^T alone
     cannot tell from M^T: the round trip lands on x @ M."""
     rng = np.random.default_rng(8)
-    x = rng.standard_normal((1, 40, 2, 128))
-    x8, descale = cuflash.quantize_fp8(x, block=8, hadamard=True, seed=4)
+    x = rng.standard_normal((1, 140, 2, 128))
+    x8, descale = cuflash.quantize_fp8(x, block=128, hadamard=True, seed=4)
     want = x @ reference.hadamard_matrix(128, 4)
     back = reference.dequantize_fp8(x8, descale)
-    assert (np.abs(back - want) <= REL * np.abs(want) + ABS * np.swapaxes(descale, 1, 2)[..., None] + 1e-12).all()
+    assert (np.abs(back - want) <= REL * np.abs(want) + ABS * _rows(descale, 140) + 1e-12).all()
     assert np.abs(back - x @ reference.hadamard_matrix(128, 4).T).max() > 0.5  # M^T is another matrix
 
 
-def test_quantize_ignores_nans_for_the_scale_and_clamps_the_block():
+def test_quantize_ignores_nans_for_the_scale_and_a_short_sequence_is_one_short_block():
     x = np.random.default_rng(9).standard_normal((1, 8, 1, 64))
     clean8, clean_descale = cuflash.quantize_fp8(x)
     x[0, 3, 0, 5] = np.nan
@@ -58,42 +68,73 @@ def test_quantize_ignores_nans_for_the_scale_and_clamps_the_block():
     assert descale == clean_descale and np.isnan(x8.astype(np.float32)).sum() == 1
     same = x8.astype(np.float32) == clean8.astype(np.float32)
     assert same.sum() == x.size - 1
-    huge8, huge_descale = cuflash.quantize_fp8(x, block=2**40)  # one block for the whole sequence
-    assert huge_descale.shape == (1, 1, 8) and (huge_descale == descale[0, 0]).all()
+    short8, short_descale = cuflash.quantize_fp8(x, block=128)  # 8 rows: one block, 120 rows short
+    assert short_descale.shape == (1, 1, 1) and short_descale[0, 0, 0] == descale[0, 0]
+    assert np.array_equal(short8.astype(np.float32), x8.astype(np.float32), equal_nan=True)
+    empty8, empty_descale = cuflash.quantize_fp8(x[:, :0], block=128)
+    assert empty8.shape == (1, 0, 1, 64) and empty_descale.shape == (1, 1, 0)
 
 
-@pytest.mark.parametrize("block", [None, 1, 16, 128])
+@pytest.mark.parametrize("block", [None, 128])
 def test_quantize_maps_each_scale_group_to_448_and_round_trips(block):
+    """Per head, or per block of 128 rows (300 rows: blocks of 128, 128 and a short 44), one scale
+    per block (no repetition per row); an all-zero head or block gets descale 1."""
     rng = np.random.default_rng(1)
-    x = _normal(rng, (2, 100, 3, 64), outliers=0.01).astype(np.float32)
+    x = _normal(rng, (2, 300, 3, 64), outliers=0.01).astype(np.float32)
     x[1, :, 2] = 0  # an all-zero head
+    x[0, 128:256, 1] = 0  # an all-zero block
     x8, descale = cuflash.quantize_fp8(x, block=block)
     assert x8.dtype == E4M3 and x8.shape == x.shape and descale.dtype == np.float32
-    assert descale.shape == ((2, 3) if block is None else (2, 3, 100))
+    assert descale.shape == ((2, 3) if block is None else (2, 3, 3))
     mags = np.abs(x8.astype(np.float64))
     if block is None:
         assert (mags.max(axis=(1, 3))[[0, 0, 0, 1, 1], [0, 1, 2, 0, 1]] == 448).all()
         assert descale[1, 2] == 1 and (x8[1, :, 2].astype(np.float32) == 0).all()
     else:
-        for start in range(0, 100, block):
-            rows = descale[0, 0, start:start + block]
-            assert (rows == rows[0]).all()
-            assert mags[0, start:start + block, 0].max() == 448
+        for b, h in np.ndindex(2, 3):
+            for i, start in enumerate(range(0, 300, 128)):
+                rows = slice(start, start + 128)
+                amax = np.abs(x[b, rows, h]).max()
+                if amax == 0:
+                    assert descale[b, h, i] == 1 and (mags[b, rows, h] == 0).all()
+                else:
+                    assert descale[b, h, i] == np.float32(amax / 448) and mags[b, rows, h].max() == 448
+        assert descale[0, 1, 1] == 1 and descale[1, 2].tolist() == [1, 1, 1]
     back = reference.dequantize_fp8(x8, descale)
-    scale = descale[:, None, :, None] if block is None else np.swapaxes(descale, 1, 2)[..., None]
-    assert (np.abs(back - x) <= REL * np.abs(x) + ABS * scale + 1e-12).all()
+    assert (np.abs(back - x) <= REL * np.abs(x) + ABS * _rows(descale, 300) + 1e-12).all()
+
+
+def test_dequantize_expands_each_block_scale_to_its_rows():
+    """Row r of a head takes descale[..., r // 128], the last block short (300 rows: 128, 128, 44);
+    a descale of another length (the per-row layout of old) is refused."""
+    x8 = np.ones((1, 300, 2, 8), np.float32).astype(E4M3)
+    descale = np.array([[[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]], np.float32)  # (1, 2, 3)
+    back = reference.dequantize_fp8(x8, descale)
+    for h in range(2):
+        assert (back[0, :128, h] == descale[0, h, 0]).all()
+        assert (back[0, 128:256, h] == descale[0, h, 1]).all()
+        assert (back[0, 256:, h] == descale[0, h, 2]).all()
+    assert np.array_equal(reference.dequantize_fp8(x8[:, :5], descale[:, :, :1]),
+                          np.broadcast_to(descale[0, :, 0][None, None, :, None], (1, 5, 2, 8)))
+    with pytest.raises(ValueError, match=r"\(B, H, 3\) \(one scale per 128 of 300 rows\)"):
+        reference.dequantize_fp8(x8, np.ones((1, 2, 300), np.float32))
+    with pytest.raises(ValueError, match="block must be None or 128"):
+        reference.quantize_fp8(np.ones((1, 4, 1, 8)), block=64)
 
 
 def test_attention_fp8_is_attention_of_the_dequantized_inputs():
+    """With block descales (several blocks, the last short) and per-head ones mixed: exactly the
+    attention of x8 * descale expanded to rows here (not through the reference's expansion)."""
     rng = np.random.default_rng(2)
-    q, k, v = (_normal(rng, (2, n, h, 64)) for n, h in ((70, 4), (90, 2), (90, 2)))
-    q8, qd = cuflash.quantize_fp8(q, block=32, hadamard=True, seed=5)
+    q, k, v = (_normal(rng, (2, n, h, 64)) for n, h in ((170, 4), (290, 2), (290, 2)))
+    q8, qd = cuflash.quantize_fp8(q, block=128, hadamard=True, seed=5)
     k8, kd = cuflash.quantize_fp8(k, hadamard=True, seed=5)
-    v8, vd = cuflash.quantize_fp8(v, block=16)
+    v8, vd = cuflash.quantize_fp8(v, block=128)
+    assert qd.shape == (2, 4, 2) and kd.shape == (2, 2) and vd.shape == (2, 2, 3)
     out, lse = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, out_dtype="float16", return_lse=True)
-    want, want_lse = reference.forward(reference.dequantize_fp8(q8, qd), reference.dequantize_fp8(k8, kd),
-                                       reference.dequantize_fp8(v8, vd), causal=True)
-    assert out.dtype == np.float16 and lse.dtype == np.float32 and lse.shape == (2, 4, 70)
+    explicit = [x8.astype(np.float64) * _rows(d, x8.shape[1]) for x8, d in ((q8, qd), (k8, kd), (v8, vd))]
+    want, want_lse = reference.forward(*explicit, causal=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32 and lse.shape == (2, 4, 170)
     assert np.array_equal(out, want.astype(np.float16)) and np.array_equal(lse, want_lse.astype(np.float32))
 
 
@@ -107,9 +148,9 @@ def test_fp8_attention_on_random_shapes(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     batch, group, nheads_kv = data.draw(st.integers(1, 2)), data.draw(st.sampled_from((1, 2, 4))), data.draw(
         st.integers(1, 2))
-    seqlen_q, seqlen_k = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    seqlen_q, seqlen_k = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 300))
     headdim = data.draw(st.sampled_from((64, 128, 256)))
-    block = data.draw(st.sampled_from((None, 16, 64, 128)))
+    block = data.draw(st.sampled_from((None, 128)))
     hadamard = data.draw(st.booleans())
     mask = data.draw(st.sampled_from((dict(), dict(causal=True), dict(window=(20, 5)))))
     out_dtype = data.draw(st.sampled_from(("bfloat16", "float16")))
@@ -192,16 +233,21 @@ def test_fp8_arguments_are_checked_by_name():
     q8, qd = cuflash.quantize_fp8(q)
     with pytest.raises(TypeError, match="k8 must be float8_e4m3fn"):
         cuflash.attention_fp8(q8, q, q8, qd, qd, qd)
-    with pytest.raises(ValueError, match=r"k_descale must have shape \(1, 2\).*\(1, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(1, 2\) \(one scale per head\) or \(1, 2, 1\) "
+                                         r"\(one scale per 128 rows of 8"):
         cuflash.attention_fp8(q8, q8, q8, qd, qd[:, :1], qd)
     with pytest.raises(TypeError, match="v_descale must be float32"):
         cuflash.attention_fp8(q8, q8, q8, qd, qd, qd.astype(np.float64))
     with pytest.raises(TypeError, match="out_dtype must be one of bfloat16, float16"):
         cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=np.float32)
-    with pytest.raises(ValueError, match="block must be None"):
-        cuflash.quantize_fp8(q, block=0)
-    with pytest.raises(TypeError, match="block must be None"):
-        cuflash.quantize_fp8(q, block=2.0)
+    for block in (0, 64, 256, 1, -128, 2**40):
+        with pytest.raises(ValueError, match=r"block must be None \(one scale per head\) or 128 .*attention_fp8 takes "
+                                             r"scales per 128 rows.*got " + str(block)):
+            cuflash.quantize_fp8(q, block=block)
+    for block in (2.0, 128.0, True, "128"):
+        with pytest.raises(TypeError, match=r"block must be None \(one scale per head\) or 128"):
+            cuflash.quantize_fp8(q, block=block)
+    assert cuflash.quantize_fp8(q, block=np.int64(128))[1].shape == (1, 2, 1)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         cuflash.quantize_fp8(q, hadamard=True, seed=-1)
     with pytest.raises(ValueError, match="power of two"):
@@ -214,6 +260,23 @@ def test_fp8_arguments_are_checked_by_name():
         cuflash.attention(q, q, q, fp8=True, softcap=5.0)
     with pytest.raises(TypeError, match="fp8=True quantizes float16 or bfloat16"):
         cuflash.attention(*(x.astype(np.float32) for x in (q, q, q)), fp8=True)
+
+
+def test_attention_fp8_refuses_per_row_descales():
+    """The per-row layout of old, (batch, heads, seqlen), is refused with the shapes it takes."""
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((1, 300, 2, 64)).astype(np.float16)
+    q8, qd = cuflash.quantize_fp8(q, block=128)
+    k8, kd = q8[:, :130, :1], qd[:, :1, :2]
+    per_row = np.ascontiguousarray(np.repeat(qd, 128, axis=2)[:, :, :300])
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(1, 2\) \(one scale per head\) or \(1, 2, 3\) "
+                                         r"\(one scale per 128 rows of 300, the last block possibly short\); "
+                                         r"got \(1, 2, 300\)"):
+        cuflash.attention_fp8(q8, k8, k8, per_row, kd, kd)
+    with pytest.raises(ValueError, match=r"v_descale must have shape \(1, 1\) .* or \(1, 1, 2\) .*got \(1, 1, 130\)"):
+        cuflash.attention_fp8(q8, k8, k8, qd, kd, np.ones((1, 1, 130), np.float32))
+    out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd)  # the block layout, GQA, k and v shorter than q
+    assert out.shape == q.shape
 
 
 def test_attention_fp8_true_checks_everything_before_quantizing(monkeypatch):
@@ -240,8 +303,8 @@ def test_fp8_in_torch_and_jax_matches_numpy():
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((1, 64, h, 64)).astype(np.float16) for h in (4, 2, 2))
     want = cuflash.attention(q, k, v, fp8=True, hadamard=True, window=(16, 0))
-    t8, td = cuflash.quantize_fp8(torch.from_numpy(q), block=32)
-    assert t8.dtype == torch.float8_e4m3fn and td.dtype == torch.float32
+    t8, td = cuflash.quantize_fp8(torch.from_numpy(q), block=128)
+    assert t8.dtype == torch.float8_e4m3fn and td.dtype == torch.float32 and tuple(td.shape) == (1, 4, 1)
     out = cuflash.attention(*(torch.from_numpy(x) for x in (q, k, v)), fp8=True, hadamard=True, window=(16, 0))
     assert out.dtype == torch.float16 and np.array_equal(out.numpy(), want)
     f = jax.jit(lambda q, k, v: cuflash.attention(q, k, v, fp8=True, hadamard=True, window=(16, 0)))
@@ -256,18 +319,22 @@ def test_fp8_in_torch_and_jax_matches_numpy():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("headdim,block,hadamard", [(64, None, True), (128, 64, True), (256, 100, True),
-                                                    (96, None, False), (128, 1, False), (256, 128, False)])
-def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard):
+@pytest.mark.parametrize("headdim,block,hadamard,seqlen", [(64, None, True, 333), (128, 128, True, 333),
+                                                           (256, 128, True, 333), (96, None, False, 333),
+                                                           (96, 128, False, 333), (128, 128, False, 50),
+                                                           (256, 128, False, 256)])
+def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard, seqlen):
     """The GPU quantizer (fp32 arithmetic) against reference.quantize_fp8 (float64): descales within
-    float32 rounding, codes equal but for the rare value at a rounding boundary (one e4m3 step)."""
+    float32 rounding, one per head or per 128-row block (333 rows: a short last block; 50: one
+    short block), codes equal but for the rare value at a rounding boundary (one e4m3 step)."""
     torch = pytest.importorskip("torch")
     g = torch.Generator(device="cuda").manual_seed(headdim)
-    x = torch.randn(2, 333, 3, headdim, device="cuda", generator=g, dtype=getattr(torch, dtype))
+    x = torch.randn(2, seqlen, 3, headdim, device="cuda", generator=g, dtype=getattr(torch, dtype))
     x[0, ::97, 1, :5] *= 10  # outliers
     x[1, :, 2] = 0  # an all-zero head
     x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=11)
     assert x8.dtype == torch.float8_e4m3fn and descale.dtype == torch.float32 and x8.is_cuda
+    assert tuple(descale.shape) == ((2, 3) if block is None else (2, 3, -(-seqlen // 128)))
     want8, want_descale = reference.quantize_fp8(x.cpu().float().numpy(), block, 11 if hadamard else None)
     np.testing.assert_allclose(descale.cpu().numpy(), want_descale, rtol=2e-6)
     got = x8.cpu().view(torch.uint8).numpy().view(E4M3).astype(np.float64)

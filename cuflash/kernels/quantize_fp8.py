@@ -1,5 +1,6 @@
-"""quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of rows,
-optionally after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
+"""quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
+(descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
+after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
 reference.quantize_fp8's). Needs the e4m3 conversion of sm_89 and newer."""
 from __future__ import annotations
 
@@ -69,8 +70,12 @@ def _sign_bits(headdim: int, seed: int | None) -> list[int]:
 
 
 def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
+    # One CTA per group of rows (the whole head, or a block of reference.FP8_BLOCK rows; a sequence
+    # shorter than a block is one short block), each writing its group's descale: descale
+    # (batch, nheads, groups) or (batch, nheads), contiguous, as api.quantize_fp8 allocates it.
     block = problem.fp8_block or 0
-    groups = -(-problem.seqlen_q // block) if block else 1
+    groups = reference.fp8_blocks(problem.seqlen_q) if block else 1
+    assert block in (0, reference.FP8_BLOCK), block
     if groups * problem.nheads * problem.batch == 0:
         return
     check_grid_yz("quantize_fp8", problem.nheads, problem.batch)
@@ -87,7 +92,7 @@ FAMILY = Family(
     name="quantize_fp8",
     backend="sm89",
     ops=("quantize_fp8",),
-    description="fp16/bf16 to e4m3 with amax scales per head or per row block, optional Hadamard transform",
+    description="fp16/bf16 to e4m3 with amax scales per head or per 128-row block, optional Hadamard transform",
     min_compute_capability=(8, 9),
     variants_for=lambda compute_capability: VARIANTS,
     select=select,
