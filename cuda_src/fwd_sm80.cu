@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         *reinterpret_cast<unsigned*>(sQ + r * kStride + dt * 8 + (lane % 4) * 2) = packed;
       }
       if (lane % 4 == 0 && m0 + r < seqlen_q) {
-        lse_base[m0 + r] = row_lse(row_max[mt][hf], total, scale_log2);
+        lse_base[m0 + r] = row_lse(row_max[mt][hf], total);
       }
     }
   __syncwarp();

@@ -47,8 +47,12 @@ struct FwdSm90Params {
   float* lse;
   const int* cu_seqlens_q;  // varlen only
   const int* cu_seqlens_k;
+  // e4m3 only: q, k and v are x8 * descale, one float per (batch, head) or per 128 rows of a head:
+  // descale[b * stride_b + h * stride_h + (row / 128) * stride_block] (stride_block 0 per head).
+  const float* descale[3];  // q, k, v
   long long o_stride_b, o_stride_s, o_stride_h;  // in elements; batch stride unused for varlen
   long long lse_stride_b, lse_stride_h;
+  int descale_stride_b[3], descale_stride_h[3], descale_stride_block[3];
   int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
   int group;               // query heads per kv head
   int headdim;             // the caller's head dim (<= kHeadDim)
@@ -60,13 +64,14 @@ struct FwdSm90Params {
   int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / kBlockM)
   int num_tiles;           // blocks_m * nheads * batch
   int counter_slot;        // which tile counter this launch uses (see tile_counters)
-  int reserved;
 };
-static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+static_assert(sizeof(FwdSm90Params) == 576, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
 // Register budgets after the split, per consumer count: setmaxnreg moves registers between the
-// warpgroups of a CTA, so producer + consumers must fit the 64K of an SM (hdim 256 holds a 64 x 256
-// fp32 O accumulator: 128 registers).
+// warpgroups of a CTA, so producer + consumers must fit what the launch gave the CTA (__launch_bounds__
+// rounds 65536 / threads down to a multiple of 8 per thread: 168 at 384 threads). Head dim 256
+// holds a 64 x 256 fp32 O accumulator: 128 registers. The producer's 24 also serve e4m3's
+// transposing warps (written for it: see their loop).
 template <int kConsumers>
 struct RegisterSplit;
 template <>
@@ -77,6 +82,23 @@ template <>
 struct RegisterSplit<3> {
   static constexpr int kProducer = 32, kConsumer = 160;
 };
+
+// Where the epilogue puts O before its 16-byte row stores: a tile of its own, Q's tile (when shared
+// memory has no room for another; Q is then released only after the stores), or nowhere: stored
+// straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head dim
+// 256, where the 16-bit O is twice Q's size and the V staging slots take the room).
+enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2 };
+
+// e4m3 (FP8): both wgmma operands must be K-major, and for O += P V the K dimension is the keys,
+// so V is transposed in shared memory: TMA brings each V block into a staging slot, warps 1..3 of
+// the producer warpgroup write it transposed into the V slot the consumers read, and P's columns
+// are permuted on the way (below). Per (batch, head) or per-128-row descales scale the scores
+// (q's and k's fold into the softmax scale) and O (v's: O is kept in units of the current
+// block's v descale, rescaled with the softmax correction when the block's scale changes).
+constexpr int kTransposeWarps = 3;
+// P's e4m3 A operand holds, in each group of 16 keys, position 4c + q the key 2c + (q & 1) +
+// 8 (q >> 1): the accumulator registers then pack straight into A registers (no shuffles), and
+// the transpose stores key 16g + that at position 16g + 4c + q (shared/notes/hopper.md section 8).
 
 constexpr int kSchedulerBarrier = 1;  // named barriers 1..3: the ping-pong turn of each consumer
 constexpr int kEpilogueBarrier = 4;   // named barriers 4..6: one consumer's O staging
@@ -119,42 +141,57 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   return t;
 }
 
-// kOInQ: O is staged for its stores in the Q tile (when shared memory has no room for a buffer of
-// its own), so Q is released only after the stores; otherwise right after the last GEMM.
-template <typename T, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong, bool kOInQ, bool kVarlen,
-          bool kSoftcap, bool kPassBy>
+// T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
+template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
+          int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
+  constexpr bool kFp8 = sizeof(T) == 1;
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
   constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
-  constexpr int kTileBarrierThreads = 128 * kConsumers + 32;  // the consumers and the producer's warp
+  // The tile hand-off: the consumers, the producer's warp 0 and (e4m3) its transposing warps.
+  constexpr int kTileBarrierThreads = 128 * kConsumers + 32 + (kFp8 ? 32 * kTransposeWarps : 0);
   using Split = RegisterSplit<kConsumers>;
-  static_assert(128 * (Split::kProducer + kConsumers * Split::kConsumer) <= 65536, "registers of one SM");
-  constexpr int kAtoms = kHeadDim / 64;  // 128-byte swizzle atoms across the head dim
-  constexpr unsigned kQBytes = kBlockM * kHeadDim * 2;
-  constexpr unsigned kKVBytes = kBlockN * kHeadDim * 2;
+  static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
+                "the registers the launch gives the CTA");
+  constexpr int kAtomElems = 128 / sizeof(T);          // elements in a 128-byte swizzle row
+  constexpr int kAtoms = kHeadDim / kAtomElems;        // swizzle atoms across the head dim
+  constexpr unsigned kQBytes = kBlockM * kHeadDim * sizeof(T);
+  constexpr unsigned kKVBytes = kBlockN * kHeadDim * sizeof(T);
+  constexpr unsigned kVStagingBytes = kFp8 ? kStages * kKVBytes : 0;  // V as TMA brings it (e4m3)
+  constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
   constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
-  constexpr int kPSteps = kBlockN / 16;  // k16 steps of P V
-  static_assert(sizeof(T) == 2, "fp16 / bf16");
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms; wgmma N <= 256");
+  constexpr int kQKSteps = kHeadDim * sizeof(T) / 32;  // wgmma k steps of S = Q K^T: 32 bytes each
+  constexpr int kPSteps = kBlockN * sizeof(T) / 32;    // and of O += P V
+  constexpr int kExpOffset = kFp8 ? 8 : 0;             // P <= 2^8 in e4m3 (online_softmax_row)
+  static_assert(sizeof(TOut) == 2, "O in fp16 / bf16");
+  static_assert(kFp8 || sizeof(T) == 2, "fp16 / bf16 / e4m3");
+  static_assert(kHeadDim % kAtomElems == 0 && kHeadDim <= 256, "whole swizzle atoms; wgmma N <= 256");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
+  static_assert(!kFp8 || kBlockN == 128, "e4m3: V^T is one 128-key swizzle row; descales come per 128 keys");
+  static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
+  static_assert(kFp8 ? kOStage != kOStageInQ : kOStage != kOStageDirect, "16-bit O is staged; e4m3's O outsizes Q");
   static_assert(kStages >= 1, "at least one K/V slot");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries: round the base up (the launch asks for 1 KiB more).
   const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sK = sQ + kQBytes;                 // kStages slots
-  const unsigned sV = sK + kStages * kKVBytes;      // kStages slots
-  const unsigned sO = kOInQ ? sQ : sV + kStages * kKVBytes;  // the O tile, staged for 16-byte stores
-  const unsigned bars = sV + kStages * kKVBytes + (kOInQ ? 0 : kQBytes);  // mbarriers, 8 bytes each
+  const unsigned sV = sK + kStages * kKVBytes;      // kStages slots (e4m3: V transposed)
+  const unsigned sVStaging = sV + kStages * kKVBytes;  // e4m3: kStages slots of V as loaded
+  const unsigned sO = kOStage == kOStageInQ ? sQ : sVStaging + kVStagingBytes;  // O staged for 16-byte stores
+  const unsigned bars = sVStaging + kVStagingBytes + kOBytes;  // mbarriers, 8 bytes each
   const unsigned q_full = bars, q_empty = bars + 8;
   auto k_full = [&](int s) { return bars + 8u * (2 + s); };
   auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  // e4m3: the staging slots' barriers (TMA completes on full; the transposing warps release empty).
+  auto staging_full = [&](int s) { return bars + 8u * (2 + 4 * kStages + s); };
+  auto staging_empty = [&](int s) { return bars + 8u * (2 + 5 * kStages + s); };
   // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
   // hand-off of the tile before, and read right after its own hand-off (kTileBarrier both times).
-  const unsigned tile_slots = bars + 8u * (2 + 4 * kStages);
+  const unsigned tile_slots = bars + 8u * (2 + (kFp8 ? 6 : 4) * kStages);
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
@@ -168,9 +205,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(k_full(s), 1);
-      mbarrier_init(v_full(s), 1);
+      mbarrier_init(v_full(s), kFp8 ? kTransposeWarps : 1);
       mbarrier_init(k_empty(s), kConsumerWarps);
       mbarrier_init(v_empty(s), kConsumerWarps);
+      if constexpr (kFp8) {
+        mbarrier_init(staging_full(s), 1);
+        mbarrier_init(staging_empty(s), kTransposeWarps);
+      }
     }
     fence_barrier_init();
   }
@@ -183,9 +224,69 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Split::kProducer>();
-    // Warp 0 stays: lane 0 issues every load and barrier operation, and the whole warp takes part
-    // in the tile hand-off. The other producer warps leave.
-    if (tid >= 32) return;
+    // Warp 0: lane 0 issues every load and barrier operation, and the whole warp takes part in the
+    // tile hand-off. e4m3: warps 1..3 transpose V; otherwise the other producer warps leave.
+    if (tid >= 32) {
+      if constexpr (kFp8) {
+        // Per tile (taken at the hand-off like the consumers), every block the producer loads: wait
+        // for its staged V and for the consumers to free its V slot, write V^T there, make those
+        // ordinary stores visible to wgmma (async proxy), release both slots. A piece is 16 keys
+        // (16g..16g+15) x 32 bytes of head dim (d0..d0+31); each warp takes every third piece. One
+        // ldmatrix.trans of byte pairs gives lane (p = lane / 4, q = lane % 4), in register m, keys
+        // 2q and 2q + 1 (+ 8 for m odd) of columns d0 + 16 (m / 2) + 2p and + 1; two byte
+        // permutes per register pair make the V^T words of those columns holding keys 2q, 2q + 1,
+        // 2q + 8, 2q + 9 (the order P's A operand needs), and one stmatrix writes them at key
+        // position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
+        // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
+        // different swizzle phases, so neither instruction has bank conflicts.
+        // The producer's 24 registers: bit 0 of `progress` is the tile parity, above it the block
+        // count `it` (as the consumers keep them); lane-derived values come from an opaque copy.
+        unsigned progress = 0;
+        for (;;) {
+          named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
+          const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);
+          if (index >= p.num_tiles) break;
+          progress ^= 1;
+          const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
+#pragma unroll 1
+          for (int blocks = t.kb.n_max - t.kb.n_min; blocks > 0; --blocks, progress += 2) {  // as the producer loads them
+            const int slot = (progress >> 1) % kStages;
+            const unsigned parity = ((progress >> 1) / kStages) & 1;
+            mbarrier_wait(staging_full(slot), parity);
+            mbarrier_wait(v_empty(slot), parity ^ 1);
+            const int t_lane = opaque(tid) % 32;
+            const int j = t_lane % 8, m = t_lane / 8;  // the row this lane addresses, of matrix m
+            // ldmatrix: matrix m is keys 8 (m % 2) + j of the piece's group, 16-byte column chunk
+            // (d0 % 128) / 16 + m / 2 of the V row, at swizzle phase j (chunk is even: + is ^).
+            const unsigned src = sVStaging + slot * kKVBytes + (8 * (m % 2) + j) * 128;
+            const unsigned src_phase = ((m / 2) ^ j) << 4;
+            // stmatrix: matrix m is V^T rows d0 + 16 (m / 2) + 2j + e, e = (m % 2) ^ (j / 4), at
+            // key chunk g, swizzle phase of that row.
+            const int row = 16 * (m / 2) + 2 * j + ((m % 2) ^ (j / 4));
+            const unsigned dst = sV + slot * kKVBytes + row * 128, dst_phase = (row % 8) << 4;
+            const unsigned even = (t_lane / 4) < 4 ? 0x6420u : 0x7531u, odd = even ^ 0x1111u;
+            // One piece at a time: two in flight (unrolled) measured 4-6% slower overall on H100
+            // (benchmarks/NOTES-fp8.md): the transposing warps compete with the consumers.
+#pragma unroll 1
+            for (int piece = tid / 32 - 1; piece < 8 * (kHeadDim / 32); piece += kTransposeWarps) {
+              const int g = piece % 8, d0 = 32 * (piece / 8);
+              unsigned r[4];
+              ldmatrix_x4_trans(r, src + (d0 / 128) * kBlockN * 128 + g * 16 * 128 + ((((d0 % 128) / 16) << 4) ^ src_phase));
+              const unsigned w[4] = {__byte_perm(r[0], r[1], even), __byte_perm(r[0], r[1], odd),
+                                     __byte_perm(r[2], r[3], even), __byte_perm(r[2], r[3], odd)};
+              stmatrix_x4(dst + d0 * 128 + ((g << 4) ^ dst_phase), w);
+            }
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (lane == 0) {
+              mbarrier_arrive(v_full(slot));
+              mbarrier_arrive(staging_empty(slot));
+            }
+          }
+        }
+      }
+      return;
+    }
     const bool leader = lane == 0;
     int slot = 0;            // it % kStages, kept incrementally: the producer has few registers
     unsigned parity = 0;     // (it / kStages) & 1
@@ -220,9 +321,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
           if constexpr (kVarlen) {
-            tma_load_3d(dst + a * rows * 128, map, bar, a * 64, head, row);
+            tma_load_3d(dst + a * rows * 128, map, bar, a * kAtomElems, head, row);
           } else {
-            tma_load_4d(dst + a * rows * 128, map, bar, a * 64, head, row, t.b);
+            tma_load_4d(dst + a * rows * 128, map, bar, a * kAtomElems, head, row, t.b);
           }
         }
       };
@@ -232,9 +333,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           mbarrier_wait(k_empty(slot), parity ^ 1);
           mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
           load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
-          mbarrier_wait(v_empty(slot), parity ^ 1);
-          mbarrier_arrive_expect_tx(v_full(slot), kKVBytes);
-          load(sV + slot * kKVBytes, &p.v_map, v_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+          // e4m3: into the staging slot, which the transposing warps release.
+          const unsigned v_free = kFp8 ? staging_empty(slot) : v_empty(slot);
+          const unsigned v_loaded = kFp8 ? staging_full(slot) : v_full(slot);
+          mbarrier_wait(v_free, parity ^ 1);
+          mbarrier_arrive_expect_tx(v_loaded, kKVBytes);
+          load((kFp8 ? sVStaging : sV) + slot * kKVBytes, &p.v_map, v_loaded, h_kv, t.k_row0 + n * kBlockN, kBlockN);
         }
         if (++slot == kStages) {
           slot = 0;
@@ -274,12 +378,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // The float constants (scale, softcap) are read from the parameter space where used (an operand
   // of the instruction itself) rather than copied into registers, which the head-dim-256 tiles lack.
   const int window_left = p.window_left, window_right = p.window_right;
-  // Descriptors: K-major Q and K (LBO unused, SBO = 8 rows of 128 bytes); V MN-major (LBO = one
-  // atom of kBlockN rows, SBO = 8 tokens). A k16 step moves 32 bytes within an atom, or to the
-  // next atom every 4 steps; a P V step moves 16 tokens.
+  // Descriptors: K-major Q and K (LBO unused, SBO = 8 rows of 128 bytes); 16-bit V MN-major (LBO =
+  // one atom of kBlockN rows, SBO = 8 tokens), e4m3 V^T K-major like K. A k step of S = Q K^T moves
+  // 32 bytes within an atom, or to the next atom every 4 steps; a P V step moves 16 tokens (16-bit)
+  // or 32 bytes along V^T's rows (e4m3).
   const unsigned long long desc_q = smem_descriptor_sw128(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = smem_descriptor_sw128(sK, 16, 1024);
-  const unsigned long long desc_v = smem_descriptor_sw128(sV, kBlockN * 128, 1024);
+  const unsigned long long desc_v = smem_descriptor_sw128(sV, kFp8 ? 16 : kBlockN * 128, 1024);
   auto qk_offset = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
   // One arrival per warp, once every lane is done with the buffer (the reads of staged O are per
   // lane; after a wgmma wait the warp is converged anyway).
@@ -317,12 +422,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       arrive(q_empty);
       continue;
     }
-    if (t.kb.n_max <= t.kb.n_min && !kOInQ) arrive(q_empty);  // nothing was loaded
+    if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) arrive(q_empty);  // nothing was loaded
     float o[kOAcc];
 #pragma unroll
     for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
-    float row_max[2] = {-infinity(), -infinity()};
+    float row_max[2] = {-infinity(), -infinity()};  // log2 domain (online_softmax_row)
     float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
+    // e4m3: q's descale of this thread's two rows, and v's of the block O is in units of.
+    float q_descale[2] = {1.f, 1.f}, o_descale = 1.f;
 
     if (t.kb.n_max > t.kb.n_min) {
       // kPassBy: this warpgroup's own blocks. Under a causal or window mask its 64 rows may see fewer
@@ -337,10 +444,25 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
       float s[kSAcc];
       unsigned pa[kPSteps][4];
+      // e4m3: descale[kv][b * stride_b + h_kv * stride_h + n * stride_block] of key block n.
+      auto kv_descale = [&](int which, int n) {
+        return p.descale[which][t.b * p.descale_stride_b[which] + (t.h / p.group) * p.descale_stride_h[which] +
+                                n * p.descale_stride_block[which]];
+      };
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = t.m0 + wg * 64 + row_in_wg + 8 * hf;
+          if (row < t.seqlen_q) {
+            q_descale[hf] = p.descale[0][t.b * p.descale_stride_b[0] + t.h * p.descale_stride_h[0] +
+                                         (row / 128) * p.descale_stride_block[0]];
+          }
+        }
+      }
 
       auto issue_qk = [&](int slot) {
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        for (int kk = 0; kk < kQKSteps; ++kk) {
           Wgmma<T, kBlockN>::ss(s, desc_q + qk_offset(kk, kBlockM),
                                 desc_k + ((slot * kKVBytes) >> 4) + qk_offset(kk, kBlockN), kk > 0);
         }
@@ -349,7 +471,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto issue_pv = [&](int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-          Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 2048) >> 4), 1);
+          if constexpr (kFp8) {
+            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 32) >> 4), 1);
+          } else {
+            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 2048) >> 4), 1);
+          }
         }
         wgmma_commit();
       };
@@ -374,18 +500,30 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
               }
           }
         }
+        const float k_descale = kFp8 ? kv_descale(1, n) : 1.f;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          correction[hf] = online_softmax_row<kBlockN / 4>(
-              [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf], p.scale_log2);
+          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset>(
+              [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf],
+              kFp8 ? p.scale_log2 * q_descale[hf] * k_descale : p.scale_log2);
         }
       };
-      // P in 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are the A registers of k16 step j.
+      // P to the A registers of P V. 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are those
+      // of k16 step j. e4m3: k32 step j takes accumulators 16j..16j+15, four to a register in the
+      // order (0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15): rows r, r + 8, r, r + 8,
+      // the key order V^T was written in (kTransposeWarps).
       auto pack_p = [&]() {
 #pragma unroll
         for (int j = 0; j < kPSteps; ++j)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) pa[j][r] = pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+          for (int r = 0; r < 4; ++r) {
+            if constexpr (kFp8) {
+              const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
+              pa[j][r] = pack4_e4m3(s[a], s[a + 1], s[a + 4], s[a + 5]);
+            } else {
+              pa[j][r] = pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+            }
+          }
       };
 
       if constexpr (kPingPong) {
@@ -404,7 +542,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
         turn_begin();
         turn_end(true);
-        if constexpr (!kOInQ) arrive(q_empty);
+        if constexpr (kOStage != kOStageInQ) arrive(q_empty);
       } else {
         // First block: S, softmax, P (O is still zero: no rescale).
         mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
@@ -419,6 +557,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           float correction[2];
           softmax(n_top - 1, correction);
         }
+        if constexpr (kFp8) o_descale = kv_descale(2, n_top - 1);
         pack_p();
 
         for (int n = n_top - 2; n >= t.kb.n_min; --n) {
@@ -437,6 +576,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           arrive(k_empty(slot));
           float correction[2];
           softmax(n, correction);
+          if constexpr (kFp8) {  // O moves to the units of block n's v descale
+            const float v_descale = kv_descale(2, n);
+            const float ratio = __fdividef(o_descale, v_descale);
+            correction[0] *= ratio;
+            correction[1] *= ratio;
+            o_descale = v_descale;
+          }
           wgmma_wait<0>();
           pin_registers(o);
           arrive(v_empty(prev));
@@ -454,54 +600,65 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_wait<0>();
         pin_registers(o);
         arrive(v_empty(last));
-        if constexpr (!kOInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
+        if constexpr (kOStage != kOStageInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
       }
     }
 
     // ------------------------------------------------------------------ epilogue
-    // O / rowsum in 16 bits into this warpgroup's 64 rows of the staging tile (Q's swizzled layout:
-    // the 8 rows a warp writes at once land in 8 different 16-byte bank groups), then out in
-    // 16-byte row chunks. The epilogue's addresses are formed here from opaque copies of the
-    // thread and tile indices: otherwise the compiler hoists them out of the tile loop and, at
-    // head dim 256, spills them across the main loop.
+    // O / rowsum (times v's descale, e4m3) in 16 bits into this warpgroup's 64 rows of the staging
+    // tile (Q's 16-bit swizzled layout: the 8 rows a warp writes at once land in 8 different 16-byte
+    // bank groups), then out in 16-byte row chunks; or (kOStageDirect) straight out. The epilogue's
+    // addresses are formed here from opaque copies of the thread and tile indices: otherwise the
+    // compiler hoists them out of the tile loop and, at head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
     const Tile te = tile_at<kBlockM, kBlockN, kVarlen>(p, index_again);
     const int et = opaque(tid);
     const int e_lane = et % 32, e_wg = et / 128 - 1, e_row = 16 * (et % 128 / 32) + e_lane / 4;
-    T* o_base = static_cast<T*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
+    TOut* o_base =
+        static_cast<TOut*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
     float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
     const unsigned stage = sO + e_wg * 64 * 128;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float total = quad_sum(row_sum[hf]);
-      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const float inv = total > 0.f ? o_descale / total : 0.f;
       const int r = e_row + 8 * hf;
+      const int row = te.m0 + e_wg * 64 + r;
 #pragma unroll
       for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-        const unsigned addr = stage + (nt / 8) * kBlockM * 128 + r * 128 + (((nt % 8) ^ (r % 8)) * 16) + (e_lane % 4) * 4;
-        st_shared_b32(addr, pack2<T>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv));
+        const unsigned packed = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
+        if constexpr (kOStage == kOStageDirect) {
+          const int col = 8 * nt + 2 * (e_lane % 4);
+          if (row < te.seqlen_q && col < p.headdim) {  // the head dim is even: col + 1 is in too
+            *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed;
+          }
+        } else {
+          st_shared_b32(stage + (nt / 8) * kBlockM * 128 + r * 128 + (((nt % 8) ^ (r % 8)) * 16) + (e_lane % 4) * 4,
+                        packed);
+        }
       }
-      const int row = te.m0 + e_wg * 64 + r;
       if (e_lane % 4 == 0 && row < te.seqlen_q) {
-        lse_base[row] = row_lse(row_max[hf], total, p.scale_log2);
+        lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
       }
     }
-    named_barrier_sync(kEpilogueBarrier + e_wg, 128);
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+    if constexpr (kOStage != kOStageDirect) {
+      named_barrier_sync(kEpilogueBarrier + e_wg, 128);
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
 #pragma unroll 4
-    for (int idx = et % 128; idx < 64 * kChunks; idx += 128) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const int row = te.m0 + e_wg * 64 + r;
-      if (row < te.seqlen_q && c * 8 < p.headdim) {
-        *reinterpret_cast<uint4*>(o_base + row * p.o_stride_s + c * 8) =
-            ld_shared_v4(stage + (c / 8) * kBlockM * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16);
+      for (int idx = et % 128; idx < 64 * kChunks; idx += 128) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int row = te.m0 + e_wg * 64 + r;
+        if (row < te.seqlen_q && c * 8 < p.headdim) {
+          *reinterpret_cast<uint4*>(o_base + row * p.o_stride_s + c * 8) =
+              ld_shared_v4(stage + (c / 8) * kBlockM * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16);
+        }
       }
     }
-    if constexpr (kOInQ) {
+    if constexpr (kOStage == kOStageInQ) {
       // This warp's reads of the staged O are done: TMA may write the next Q over it.
       fence_proxy_async_shared();
       arrive(q_empty);
-    } else {
+    } else if constexpr (kOStage == kOStageOwn) {
       named_barrier_sync(kEpilogueBarrier + e_wg, 128);  // reads done before the next tile's writes
     }
   }

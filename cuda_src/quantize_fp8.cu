@@ -29,13 +29,6 @@ struct QuantizeFp8Params {
 };
 static_assert(sizeof(QuantizeFp8Params) == 120, "keep in step with cuflash/kernels/quantize_fp8.py");
 
-// Two floats to two e4m3 (round to nearest even, saturating to +-448): a in the high byte.
-__device__ __forceinline__ unsigned short e4m3x2(float hi, float lo) {
-  unsigned short packed;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
-  return packed;
-}
-
 template <typename T, int kHeadDim, bool kHadamard>
 __device__ __forceinline__ void load_row(const QuantizeFp8Params& p, const T* row, int lane, float (&v)[kHeadDim / 32]) {
   constexpr int kE = kHeadDim / 32;

@@ -495,9 +495,11 @@ def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return
     _check_flag("return_lse", return_lse)
     if hadamard:
         _check_hadamard_headdim("q", problem.headdim)
-    if problem.device.is_cuda and not dispatch.supported_dtypes("attention_fp8_forward", problem.device):
-        raise NotImplementedError("cuflash has no GPU kernel for FP8 attention yet (attention_fp8_forward): "
-                                  "fp8=True runs on CPU arrays only, through the reference")
+    backend = _check_backend(backend, "attention_fp8_forward", problem.device)
+    why = dispatch.unavailable("attention_fp8_forward", problem.device, backend) if problem.device.is_cuda else None
+    if why:
+        raise NotImplementedError(f"cuflash cannot run FP8 attention (attention_fp8_forward) on GPU {problem.device}, "
+                                  f"{why}: fp8=True quantizes nothing there")
     q8, q_descale = quantize_fp8(q, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     k8, k_descale = quantize_fp8(k, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     v8, v_descale = quantize_fp8(v, block=FP8_BLOCK)

@@ -12,6 +12,11 @@ same fp16/bf16 inputs:
   plus 1e-4 (bwd_sm80's errors measured about 0.5 eps times that value on H100; a wrong mask, block
   or sum is off by about the largest value itself); the backward preprocess (float32
   sums): 1e-5 relative.
+- FP8 attention (quantize_fp8 per head or per 128-row block, then attention_fp8; through torch, as
+  CuPy has no e4m3 dtype) against the reference on the dequantized inputs: max abs error at most 2x
+  that of a plain FP8 attention (P = exp(s - rowmax) * 2^8 rounded to e4m3 before P V, as any e4m3
+  P V must) plus 1e-4; lse within 1e-3 plus 2^-11 of the row's largest scaled |q||k| dot product
+  (Hopper adds e4m3 products with fewer mantissa bits than fp32).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class Case:
     varlen: tuple[int, ...] = ()  # sequence lengths (queries and keys alike) of a packed case
 
     def describe(self) -> str:
-        dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
+        dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype] + (" -> e4m3" if "fp8" in self.op else "")
         shape = (f"seqlens {list(self.varlen)}" if self.varlen else
                  f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k}")
         feats = " ".join([f"{k}={v}" for k, v in self.features.items()] + ["deterministic"] * self.deterministic)
@@ -72,9 +77,12 @@ def draw_cases(rng: np.random.Generator, compute_capability, per_op: int = 3) ->
 
 
 def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
-    dtype = str(rng.choice(sorted(family.dtypes)))
-    # Half the draws take a head dim the family compiles (the common case), half any multiple of 8.
-    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else HEADDIMS))
+    # FP8 attention: dtype is that of the inputs before quantization (and of out).
+    fp8 = op == "attention_fp8_forward"
+    dtype = str(rng.choice(sorted(api.FP8_OUT_DTYPES if fp8 else family.dtypes)))
+    # Half the draws take a head dim the family compiles (the common case), half any multiple of 8
+    # (of 16 for e4m3: 16-byte rows).
+    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else HEADDIMS[1::2] if fp8 else HEADDIMS))
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}
@@ -86,7 +94,9 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
             features["causal"] = True
         elif rng.random() < 0.3:
             features["window"] = (int(rng.integers(0, 200)), int(rng.integers(0, 200)))
-        if rng.random() < 0.25:
+        if fp8:
+            features["block"] = (None, reference.FP8_BLOCK)[int(rng.integers(2))]
+        elif rng.random() < 0.25:
             features["softcap"] = float(rng.choice((5.0, 30.0)))
     if varlen:
         lengths = tuple(int(n) for n in rng.integers(1, 400, size=int(rng.integers(2, 5))))
@@ -151,6 +161,8 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
         return Outcome(case, err <= bound, f"delta err {err:.1e} <= {bound:.1e}")
     if case.op == "quantize_fp8":
         return _run_quantize(case, host, on_gpu)
+    if case.op == "attention_fp8_forward":
+        return _run_attention_fp8(case, host, on_gpu, backend)
     if case.varlen:
         total = sum(case.varlen)
         q, k, v = (host(total, h, case.headdim) for h in (case.nheads, case.nheads_kv, case.nheads_kv))
@@ -198,31 +210,62 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
 def runnable(case: Case) -> str | None:
     """Why this machine cannot run `case`, or None: quantize_fp8's e4m3 outputs need torch or JAX
     arrays (CuPy has no e4m3 dtype), and the check uses torch."""
-    if case.op == "quantize_fp8":
+    if case.op in ("quantize_fp8", "attention_fp8_forward"):
         try:
             import torch
         except ImportError:
-            return "quantize_fp8 is checked through torch (CuPy has no e4m3 dtype), which is not installed"
+            return f"{case.op} is checked through torch (CuPy has no e4m3 dtype), which is not installed"
         if not torch.cuda.is_available():
-            return "quantize_fp8 is checked through torch (CuPy has no e4m3 dtype), which sees no GPU here"
+            return f"{case.op} is checked through torch (CuPy has no e4m3 dtype), which sees no GPU here"
     return None
+
+
+def _torch_io(case: Case, on_gpu: bool):
+    """(put, get) between NumPy and the arrays an e4m3 case runs on: torch on the GPU."""
+    from .arrays import host_view
+
+    if not on_gpu:
+        return (lambda a: a), np.asarray
+    import torch
+
+    return (lambda a: torch.from_numpy(a.astype(np.float32)).to("cuda", getattr(torch, case.dtype)),
+            lambda t: host_view(t.cpu()))
+
+
+def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
+    put, get = _torch_io(case, on_gpu)
+    shapes = ((case.batch, case.seqlen_q, case.nheads), (case.batch, case.seqlen_k, case.nheads_kv))
+    q, k, v = host(*shapes[0], case.headdim), host(*shapes[1], case.headdim), host(*shapes[1], case.headdim)
+    features = {n: x for n, x in case.features.items() if n != "block"}
+    quantized = [api.quantize_fp8(put(x), block=case.features["block"]) for x in (q, k, v)]
+    out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,
+                                 return_lse=True, backend=backend, **features)
+    q, k, v = (reference.dequantize_fp8(get(x8), get(d)) for x8, d in quantized)
+    want_out, want_lse = reference.forward(q, k, v, **features)
+    # The yardstick: P = exp(s - rowmax) * 2^8 in e4m3, the sum unrounded; rows without keys give 0.
+    p = reference.probabilities(q, k, **features)  # (B, H, Sq, Sk), rows summing to 1
+    top = p.max(axis=-1, keepdims=True)
+    p8 = _round(p / np.where(top > 0, top, 1) * 256, "float8_e4m3fn").astype(np.float64) * top / 256
+    plain = _round(np.einsum("bhqk,bkhd->bqhd", p8, np.repeat(v, case.nheads // case.nheads_kv, axis=2)),
+                   case.dtype)
+    err, bound = _max_err(get(out), want_out), 2 * _max_err(plain, want_out) + 1e-4
+    scale = features.get("softmax_scale") or 1 / np.sqrt(case.headdim)
+    dots = np.einsum("bqhd,bkhd->bhqk", np.abs(q), np.repeat(np.abs(k), case.nheads // case.nheads_kv, axis=2))
+    lse_bound = 1e-3 + 2.0**-11 * scale * dots.max(axis=-1, initial=0.0)
+    lse_err = _max_err(get(lse), want_lse)  # inf where the rows without keys differ
+    live = np.isfinite(want_lse)
+    lse_ok = np.isfinite(lse_err) and bool((np.abs(get(lse)[live] - want_lse[live]) <= lse_bound[live]).all())
+    return Outcome(case, err <= bound and lse_ok, f"out err {err:.1e} <= {bound:.1e}, lse err {lse_err:.1e} "
+                   f"(within 1e-3 + 2^-11 scale max|q||k|: {lse_ok})")
 
 
 def _run_quantize(case: Case, host, on_gpu: bool) -> Outcome:
     """quantize_fp8 in fp32 on the GPU (torch tensors) against the float64 reference: descales
     within float32 rounding (2e-6 relative), codes equal but where a value sits at a rounding
     boundary (one step, at most 0.1% of them)."""
-    from .arrays import host_view
-
     x = host(case.batch, case.seqlen_q, case.nheads, case.headdim)
     block, hadamard = case.features["block"], case.features["hadamard"]
-    if on_gpu:
-        import torch
-
-        put = lambda a: torch.from_numpy(a.astype(np.float32)).to("cuda", getattr(torch, case.dtype))
-        get = lambda t: host_view(t.cpu())
-    else:
-        put, get = (lambda a: a), np.asarray
+    put, get = _torch_io(case, on_gpu)
     x8, descale = api.quantize_fp8(put(x), block=block, hadamard=hadamard, seed=7)
     want8, want_descale = reference.quantize_fp8(x, block, 7 if hadamard else None)
     got, want = get(x8).astype(np.float64), want8.astype(np.float64)

@@ -9,7 +9,7 @@ from functools import lru_cache
 import numpy as np
 
 # CUtensorMapDataType
-DATA_TYPES = {"float16": 6, "bfloat16": 9}
+DATA_TYPES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0}  # e4m3 as UINT8: TMA only moves bytes
 SWIZZLE_128B = 3
 L2_PROMOTION_256B = 3
 MAP_BYTES = 128

@@ -348,14 +348,3 @@ def test_quantize_fp8_refuses_cupy_arrays_by_name():
     cupy = pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
         cuflash.quantize_fp8(cupy.zeros((1, 8, 2, 64), cupy.float16))
-
-
-@pytest.mark.gpu
-def test_fp8_attention_on_gpu_says_no_kernel_yet():
-    torch = pytest.importorskip("torch")
-    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="no GPU kernel for FP8 attention yet"):
-        cuflash.attention(q, q, q, fp8=True)
-    q8, descale = cuflash.quantize_fp8(q)
-    with pytest.raises(NotImplementedError, match="attention_fp8_forward.*no GPU kernel family implements"):
-        cuflash.attention_fp8(q8, q8, q8, descale, descale, descale)

@@ -70,8 +70,9 @@ def test_fwd_sm80_sass_uses_the_tensor_core_path(report):
 
 
 def test_fwd_sm90_sass_uses_the_hopper_path(report):
-    """wgmma -> HGMMA, TMA -> UTMALDG, mbarriers -> SYNCS, setmaxnreg -> USETMAXREG; and ptxas did
-    not serialise the wgmmas (C7510/C7515: accumulators touched mid-pipeline, or registers short)."""
+    """wgmma -> HGMMA (QGMMA for e4m3), TMA -> UTMALDG, mbarriers -> SYNCS, setmaxnreg -> USETMAXREG;
+    and ptxas did not serialise the wgmmas (C7510/C7515: accumulators touched mid-pipeline, or
+    registers short)."""
     arch, _, rows = report
     fwd = [r for r in rows if r["family"] == "fwd_sm90"]
     if arch != "sm_90a":
@@ -80,7 +81,8 @@ def test_fwd_sm90_sass_uses_the_hopper_path(report):
     assert fwd
     for r in fwd:
         ops = r["sass_opcodes"]
-        for opcode in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU"):
+        mma = "QGMMA" if "/dtype=e4m3/" in r["uri"] else "HGMMA"
+        for opcode in (mma, "UTMALDG", "SYNCS", "USETMAXREG", "MUFU"):
             assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"
         assert not {"C7510", "C7515"} & set(r["ptxas_notes"]), f"{r['uri']}: wgmma serialised {r['ptxas_notes']}"
 

@@ -29,7 +29,7 @@ def test_check_draws_every_family_and_op_of_the_gpu(compute_capability):
     cases = check.draw_cases(np.random.default_rng(0), compute_capability, per_op=3)
     drawn = {(c.family, c.op) for c in cases}
     families = {"fwd_sm80", "bwd_sm80", "bwd_preprocess"}
-    families |= {"fwd_sm90", "quantize_fp8"} if compute_capability == (9, 0) else set()
+    families |= {"fwd_sm90", "fwd_fp8_sm90", "quantize_fp8"} if compute_capability == (9, 0) else set()
     assert {f for f, _ in drawn} == families
     assert ("bwd_sm80", "attention_varlen_backward") in drawn
     deterministic = {c.op for c in cases if c.deterministic}
@@ -44,6 +44,26 @@ def test_check_passes_the_reference_itself():
     rng = np.random.default_rng(3)
     outcomes = [check.run_case(case, rng, on_gpu=False) for case in _cases()]
     assert all(o.ok for o in outcomes), [o.detail for o in outcomes if not o.ok]
+
+
+@pytest.mark.parametrize("wrong", ["out", "lse"])
+def test_check_catches_wrong_fp8_attention(monkeypatch, wrong):
+    """The FP8 criterion can fail: out 5% too large, or the lse off by 0.05 (a descale applied twice
+    or missed moves either by much more), in every drawn case."""
+    original = api.attention_fp8
+
+    def scaled(*args, **kw):
+        out, lse = original(*args, **kw)
+        if wrong == "out":
+            return (out.astype(np.float32) * 1.05).astype(out.dtype), lse
+        return out, lse + np.float32(0.05)
+
+    monkeypatch.setattr(api, "attention_fp8", scaled)
+    cases = [c for seed in range(6) for c in _cases(seed) if c.op == "attention_fp8_forward"]
+    assert len(cases) >= 6 and {c.features["block"] for c in cases} == {None, 128}
+    for case in cases:
+        outcome = check.run_case(case, np.random.default_rng(0), on_gpu=False)
+        assert not outcome.ok, (case.describe(), outcome.detail)
 
 
 def test_check_catches_wrong_outputs(monkeypatch):

@@ -57,20 +57,26 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 
 // One row's online-softmax step over the kCols scores this thread holds of it (score(c) is a
 // reference to column c's; the row's other columns are held by the rest of the quad): the new
-// running maximum, the exponentials in place, the running sum. Returns the factor by which the
-// row's O accumulators must be rescaled.
-template <int kCols, typename Score>
+// running maximum, the exponentials in place, the running sum. row_max is kept in the log2 domain
+// (scores times scale_log2), so the scale may change from block to block (FP8's per-block
+// descales). The exponentials are those of (score - max) + kExpOffset: at most 2^kExpOffset (FP8
+// puts P in e4m3, whose normal range starts at 2^-6: an offset of 8 keeps more of P's small values
+// normal); the offset cancels in O / rowsum and row_lse removes it. Returns the factor by which the
+// row's O accumulators must be rescaled. scale_log2 > 0: the max commutes with the scale.
+template <int kCols, int kExpOffset = 0, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
-  float mx = row_max;
+  float mx = -infinity();
 #pragma unroll
   for (int c = 0; c < kCols; c += 2) mx = fmaxf(mx, fmaxf(score(c), score(c + 1)));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  mx = fmaxf(row_max, mx * scale_log2);
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
-  const float base = mx == -infinity() ? 0.f : mx * scale_log2;
-  const float correction = ex2(row_max * scale_log2 - base);
+  const float m = mx == -infinity() ? 0.f : mx;
+  const float correction = ex2(row_max - m);
   row_max = mx;
+  const float base = m - kExpOffset;
   float sum = 0.f;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
@@ -83,15 +89,16 @@ __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_ma
 }
 
 // The end of a row: the quad of threads holding it adds up its partial sums (quad_sum); the row's
-// LSE in natural log from its running maximum of unscaled scores, the log2-domain scale and that
-// total (-inf for a row that saw no key).
+// LSE in natural log from its running maximum (log2 domain), the total and the exponent offset
+// online_softmax_row used (-inf for a row that saw no key).
 __device__ __forceinline__ float quad_sum(float partial) {
   partial += __shfl_xor_sync(0xffffffffu, partial, 1);
   return partial + __shfl_xor_sync(0xffffffffu, partial, 2);
 }
-__device__ __forceinline__ float row_lse(float row_max, float total, float scale_log2) {
+template <int kExpOffset = 0>
+__device__ __forceinline__ float row_lse(float row_max, float total) {
   constexpr float kLn2 = 0.6931471805599453f;
-  return total > 0.f ? (row_max * scale_log2 + __log2f(total)) * kLn2 : -infinity();
+  return total > 0.f ? (row_max - kExpOffset + __log2f(total)) * kLn2 : -infinity();
 }
 
 }  // namespace cuflash

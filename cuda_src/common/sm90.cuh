@@ -69,6 +69,15 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
   return v;
 }
 
+// Four 8 x 8 matrices of 16-bit elements from registers to shared memory, lanes 8i..8i+7 giving
+// the row addresses (16 bytes each) of matrix i; register i holds row lane / 4, columns
+// 2 (lane % 4) and 2 (lane % 4) + 1 of matrix i (ldmatrix_x4's layout). sm_90.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // Orders this thread's ordinary (generic-proxy) shared-memory accesses before later accesses by the
 // async proxy (TMA, wgmma) that another thread's barrier releases.
 __device__ __forceinline__ void fence_proxy_async_shared() {

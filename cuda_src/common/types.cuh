@@ -1,4 +1,4 @@
-// 16-bit element types and their conversions, written with PTX so that no CUDA toolkit header
+// Element types (16-bit, and e4m3 as opaque bytes) and the 16-bit conversions, written with PTX so that no CUDA toolkit header
 // is needed: NVRTC compiles cuflash's sources with nothing on its include path but cuda_src/.
 #pragma once
 
@@ -9,6 +9,7 @@ __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000);
 
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
+struct e4m3_t { unsigned char bits; };  // float8_e4m3fn
 
 __device__ __forceinline__ float to_float(half_t x) {
   float f;
@@ -18,6 +19,18 @@ __device__ __forceinline__ float to_float(half_t x) {
 
 // bf16 is the high half of an fp32: widening is a shift, exact on every arch.
 __device__ __forceinline__ float to_float(bfloat16_t x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
+
+// Two floats to two e4m3 (round to nearest even, saturating to +-448; sm_89+): hi in the high byte.
+__device__ __forceinline__ unsigned short e4m3x2(float hi, float lo) {
+  unsigned short packed;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
+
+// Four floats to four e4m3 in one register, a in the lowest byte.
+__device__ __forceinline__ unsigned pack4_e4m3(float a, float b, float c, float d) {
+  return static_cast<unsigned>(e4m3x2(b, a)) | (static_cast<unsigned>(e4m3x2(d, c)) << 16);
+}
 
 // Load kN consecutive 16-bit elements as floats with the widest access kN allows: one 16-byte
 // load for 8 elements (the caller guarantees 16-byte alignment), element-wise otherwise.

@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 # C++ spelling of each element type, as cuda_src/common/types.cuh defines it.
 CXX_TYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
-SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ def _families() -> tuple[Family, ...]:
     from . import bwd_preprocess, bwd_sm80, fwd_sm80, fwd_sm90, quantize_fp8
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
-    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, bwd_sm80.FAMILY, bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
+    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, bwd_sm80.FAMILY, bwd_preprocess.FAMILY,
+            quantize_fp8.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}

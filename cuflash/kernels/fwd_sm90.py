@@ -1,5 +1,7 @@
 """fwd_sm90: the warp-specialised Hopper forward (cuda_src/fwd_sm90.cu): TMA producer, two or three
-wgmma consumer warpgroups, for compute capability 9.0 (compiled for sm_90a)."""
+wgmma consumer warpgroups, for compute capability 9.0 (compiled for sm_90a). Two families share the
+template: fwd_sm90 (fp16/bf16 attention) and fwd_fp8_sm90 (attention_fp8: e4m3 q, k, v with descales,
+V transposed in shared memory by the producer warpgroup)."""
 from __future__ import annotations
 
 import itertools
@@ -14,11 +16,16 @@ from . import CXX_TYPES, Family, Variant, cxx_bool, require_rows_aligned
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
-ATOM = 64  # elements per 128-byte swizzle row: head dims are compiled in multiples of this
+SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle row: head dims are compiled in multiples of it
 HEADDIMS = (64, 128, 192, 256)
+FP8 = "float8_e4m3fn"
+FP8_HEADDIMS = (128, 256)  # whole 128-element e4m3 swizzle rows (64 runs padded to 128)
+CXX_ELEMENT_TYPES = {**CXX_TYPES, FP8: "cuflash::e4m3_t"}
+ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
+FP8_WGMMA_N = (128, 256)
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong)):
 # the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
@@ -43,6 +50,11 @@ PASS_BY = {64: (False, True), 128: (False, False), 192: (False, False), 256: (Tr
 # Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
 # narrow blocks at 128), where nothing spills.
 SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2, True), 256: (2, 80, 2, False)}
+# e4m3: (consumers, block_n, stages, pingpong) per compiled head dim. block_n is 128: V^T is one
+# 128-key swizzle row, and block descales come per 128 keys. Shared memory holds K, V^T and the
+# staged V per stage: at 256, two stages take 224 KiB and O is stored straight from registers.
+FP8_TILES = {128: (2, 128, 2, True), 256: (2, 128, 2, True)}
+FP8_PASS_BY = {128: (False, True), 256: (True, True)}
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
@@ -56,23 +68,34 @@ SMEM_LIMIT = 232448  # opt-in shared memory per block on sm_90
 TILE_COUNTERS = 4096  # kTileCounters in the kernel
 
 
-def smem_bytes(headdim: int, block_m: int, block_n: int, stages: int, o_in_q: bool) -> int:
-    barriers = 8 * (2 + 4 * stages) + 8  # and two tile-index slots
-    o_rows = 0 if o_in_q else block_m  # the O staging tile, unless it shares Q's
+# Where the epilogue stages O (FwdSm90Variant.o_stage), as the kernel's OStage spells it.
+O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "direct": "cuflash::kOStageDirect"}
+
+
+def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str) -> int:
+    fp8 = dtype == FP8
+    barriers = 8 * (2 + (6 if fp8 else 4) * stages) + 8  # and two tile-index slots
+    kv_tiles = (3 if fp8 else 2) * stages  # K, V (and e4m3's staged V) per stage
+    o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
-    return (block_m + o_rows + 2 * stages * block_n) * headdim * ELEMENT_BYTES + barriers + 1024
+    return (block_m + kv_tiles * block_n) * headdim * ELEMENT_SIZE[dtype] + o_bytes + barriers + 1024
 
 
-# The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field.
-FWD_SM90_PARAMS = np.dtype(
-    [(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
-    + [(name, np.uint64) for name in ("out", "lse", "cu_seqlens_q", "cu_seqlens_k")]
-    + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
-    + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
-    + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
-    + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot", "reserved")])
-assert FWD_SM90_PARAMS.itemsize == 512, "keep in step with static_assert(sizeof(FwdSm90Params) == 512)"
+# The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field (padded to its
+# 64-byte alignment).
+_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
+           + [(name, np.uint64) for name in ("out", "lse", "cu_seqlens_q", "cu_seqlens_k")]
+           + [("descale", np.uint64, 3)]
+           + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
+           + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
+           + [(f"descale_stride_{d}", np.int32, 3) for d in ("b", "h", "block")]
+           + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left",
+                                            "window_right")]
+           + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
+           + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")])
+FWD_SM90_PARAMS = np.dtype({"names": [f[0] for f in _FIELDS], "formats": [f[1:] if len(f) > 2 else f[1] for f in _FIELDS],
+                            "itemsize": 576}, align=False)
+assert FWD_SM90_PARAMS.fields["counter_slot"][1] == 564, "keep in step with FwdSm90Params"
 PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
 
 
@@ -82,7 +105,8 @@ class FwdSm90Variant(Variant):
     source = "fwd_sm90.cu"
     template = "cuflash::fwd_sm90"
 
-    dtype: str
+    dtype: str  # of q, k and v
+    out_dtype: str  # of out: dtype, or float16/bfloat16 for e4m3
     headdim: int  # compiled (padded) head dim
     consumers: int  # consumer warpgroups, 64 query rows each
     block_n: int
@@ -93,10 +117,17 @@ class FwdSm90Variant(Variant):
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
 
     def check(self) -> None:
-        if self.dtype not in CXX_TYPES:
-            raise ValueError(f"fwd_sm90: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
-        if self.headdim not in HEADDIMS:
-            raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
+        fp8 = self.dtype == FP8
+        if self.dtype not in CXX_ELEMENT_TYPES or self.out_dtype not in CXX_TYPES or (
+                not fp8 and self.out_dtype != self.dtype):
+            raise ValueError(f"fwd_sm90: dtype {self.dtype} with out_dtype {self.out_dtype}: the inputs are one of "
+                             f"{sorted(CXX_ELEMENT_TYPES)}, out is one of {sorted(CXX_TYPES)} and, for 16-bit "
+                             "inputs, their dtype")
+        if self.headdim not in (FP8_HEADDIMS if fp8 else HEADDIMS):
+            raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {FP8_HEADDIMS if fp8 else HEADDIMS} "
+                             f"for {self.dtype}")
+        if fp8 and (self.block_n != 128 or self.varlen or self.softcap):
+            raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
         if self.block_n not in WGMMA_N or self.stages < 1:
@@ -114,19 +145,25 @@ class FwdSm90Variant(Variant):
     def threads(self) -> int:
         return 128 * (self.consumers + 1)  # and the producer warpgroup
 
+    def _smem_bytes(self, o_stage: str) -> int:
+        return smem_bytes(self.dtype, self.headdim, self.block_m, self.block_n, self.stages, o_stage)
+
     @cached_property  # read at every launch
-    def o_in_q(self) -> bool:
-        """O is staged in Q's tile when shared memory has no room for a tile of its own."""
-        return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, o_in_q=False) > SMEM_LIMIT
+    def o_stage(self) -> str:
+        """O is staged in a tile of its own when shared memory has room; otherwise in Q's tile (16
+        bits) or not at all (e4m3, whose 16-bit O is twice Q's size)."""
+        if self._smem_bytes("own") <= SMEM_LIMIT:
+            return "own"
+        return "direct" if self.dtype == FP8 else "in_q"
 
     @cached_property
     def dynamic_shared_bytes(self) -> int:
-        return smem_bytes(self.headdim, self.block_m, self.block_n, self.stages, self.o_in_q)
+        return self._smem_bytes(self.o_stage)
 
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.consumers), str(self.block_n), str(self.stages),
-                cxx_bool(self.pingpong), cxx_bool(self.o_in_q), cxx_bool(self.varlen), cxx_bool(self.softcap),
-                cxx_bool(self.pass_by))
+        return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
+                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), O_STAGE_CXX[self.o_stage],
+                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by))
 
 
 def _rows(headdim: int, softcap: bool):
@@ -138,9 +175,14 @@ def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, b
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, hd, *tiles, varlen, softcap, pass_by) for dtype in sorted(CXX_TYPES)
+    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, pass_by) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
                  for _, tiles in _rows(hd, softcap) for pass_by in sorted(set(PASS_BY[hd])))
+
+
+def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
+    return tuple(FwdSm90Variant(FP8, out, hd, *FP8_TILES[hd], False, False, pass_by) for out in sorted(CXX_TYPES)
+                 for hd in FP8_HEADDIMS for pass_by in sorted(set(FP8_PASS_BY[hd])))
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -154,36 +196,73 @@ def _token_strides(problem, array) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def _check_loadable(family: str, problem, inputs) -> None:
+    """q, k and v can be described by TMA descriptors (ValueError otherwise)."""
+    if problem.seqlen_q == 0 or problem.seqlen_k == 0 or (problem.varlen and not (problem.total_q and problem.total_k)):
+        raise ValueError(f"{family} loads through TMA descriptors, which cannot describe an empty q, k or v")
+    size = ELEMENT_SIZE[problem.dtype]
+    require_rows_aligned(family, inputs, ("q", "k", "v"), size)
+    for name in ("q", "k", "v"):
+        if not tma.strides_encodable([s * size for s in _token_strides(problem, inputs[name])]):
+            raise ValueError(f"{family} loads {name} with TMA, which needs positive strides below 2^40 bytes; "
+                             f"got strides {inputs[name].strides}")
+
+
+def _check_tile_count(family: str, problem, variant) -> None:
+    # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
+    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
+        raise ValueError(f"{family} numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too "
+                         "large")
+
+
 def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
-    if problem.seqlen_q == 0 or problem.seqlen_k == 0 or (problem.varlen and not (problem.total_q and problem.total_k)):
-        raise ValueError("fwd_sm90 loads through TMA descriptors, which cannot describe an empty q, k or v")
-    require_rows_aligned("fwd_sm90", inputs, ("q", "k", "v"), ELEMENT_BYTES)
-    for name in ("q", "k", "v"):
-        if not tma.strides_encodable([s * ELEMENT_BYTES for s in _token_strides(problem, inputs[name])]):
-            raise ValueError(f"fwd_sm90 loads {name} with TMA, which needs positive strides below 2^40 bytes; "
-                             f"got strides {inputs[name].strides}")
-    headdim = ATOM * math.ceil(problem.headdim / ATOM)
+    _check_loadable("fwd_sm90", problem, inputs)
+    atom = SWIZZLE_ROW_BYTES // ELEMENT_BYTES
+    headdim = atom * math.ceil(problem.headdim / atom)
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     masked = problem.window_left >= 0 or problem.window_right >= 0
-    variant = FwdSm90Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
+    variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
                              PASS_BY[headdim][masked])
-    # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
-    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
-        raise ValueError("fwd_sm90 numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too large")
+    _check_tile_count("fwd_sm90", problem, variant)
+    return variant
+
+
+def select_fp8(problem, inputs) -> FwdSm90Variant:
+    check_headdim("fwd_fp8_sm90", problem.headdim, FP8_HEADDIMS[-1])
+    _check_loadable("fwd_fp8_sm90", problem, inputs)
+    for name in ("q_descale", "k_descale", "v_descale"):
+        if any(abs(s) >= 2**31 for s in inputs[name].strides):
+            raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
+    headdim = next(h for h in FP8_HEADDIMS if h >= problem.headdim)
+    masked = problem.window_left >= 0 or problem.window_right >= 0
+    variant = FwdSm90Variant(FP8, problem.out_dtype, headdim, *FP8_TILES[headdim], False, False,
+                             FP8_PASS_BY[headdim][masked])
+    _check_tile_count("fwd_fp8_sm90", problem, variant)
     return variant
 
 
 def _tensor_map(problem, array, nheads: int, rows: int) -> bytes:
-    strides = tuple(s * ELEMENT_BYTES for s in _token_strides(problem, array))
+    size = ELEMENT_SIZE[problem.dtype]
+    strides = tuple(s * size for s in _token_strides(problem, array))
+    atom = SWIZZLE_ROW_BYTES // size  # elements of one swizzle row: the box's inner extent
     if problem.varlen:
         dims = (problem.headdim, nheads, array.shape[0])
-        box = (ATOM, 1, rows)
+        box = (atom, 1, rows)
     else:
         dims = (problem.headdim, nheads, array.shape[1], problem.batch)
-        box = (ATOM, 1, rows, 1)
+        box = (atom, 1, rows, 1)
     return tma.encode_tiled(problem.dtype, array.ptr, dims, strides, box)
+
+
+def _descales(inputs) -> tuple:
+    """The descale pointers and (batch, head, block) strides the kernel takes: zeros without (16-bit)."""
+    arrays = [inputs.get(name) for name in ("q_descale", "k_descale", "v_descale")]
+    if arrays[0] is None:
+        return (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)
+    strides = [tuple(a.strides) + (0,) * (3 - len(a.strides)) for a in arrays]  # (batch, heads): no block stride
+    return tuple(a.ptr for a in arrays), *(tuple(s[d] for s in strides) for d in range(3))
 
 
 # Successive launches take successive tile-counter slots (see tile_counters in the kernel).
@@ -198,13 +277,15 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     out, lse = outputs["out"], outputs["lse"]
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
+    descale_ptrs, *descale_strides = _descales(inputs)
     params = np.empty(1, FWD_SM90_PARAMS)
     params[0] = (_tensor_map(problem, q, problem.nheads, variant.block_m),
                  _tensor_map(problem, k, problem.nheads_kv, variant.block_n),
                  _tensor_map(problem, v, problem.nheads_kv, variant.block_n),
-                 out.ptr, lse.ptr, cu_q, cu_k, *o_strides, *lse_strides, problem.seqlen_q, problem.seqlen_k,
-                 problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
-                 *softmax_constants(problem), problem.nheads, blocks_m, num_tiles, next(_counter_slots), 0)
+                 out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
+                 problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
+                 *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,
+                 next(_counter_slots))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = min(num_tiles, sm_count) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
@@ -221,4 +302,17 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     launch=launch,
+)
+
+FP8_FAMILY = Family(
+    name="fwd_fp8_sm90",
+    backend="sm90",
+    ops=("attention_fp8_forward",),
+    description="warp-specialised Hopper forward on e4m3 q, k, v with descales; V transposed in shared memory",
+    min_compute_capability=(9, 0),
+    max_compute_capability=(9, 0),
+    variants_for=fp8_variants_for,
+    select=select_fp8,
+    launch=launch,
+    dtypes=frozenset({FP8}),
 )
