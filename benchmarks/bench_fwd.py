@@ -47,6 +47,9 @@ def main(argv=None) -> int:
                                         for hd, t in (item.split(":") for item in s.split(","))})
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
+    parser.add_argument("--extra", default=None, type=lambda s: tuple(x for x in s.split(",") if x),
+                        help="cuflash variants timed beside cuflash: sm80, fp8 (forward; default sm80), "
+                        "deterministic (backward; its default); an empty string for none")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
         xp = bench.array_backend()
         print(f"host time per cuflash.attention call (tiny problem): {bench.host_overhead_us(xp):.1f} us", flush=True)
         rows = bench.run(grid, backward=args.backward, reps=args.reps, warmup=args.warmup, xp=xp,
-                         extra=("deterministic",) if args.backward else ("sm80",), annotate=tile_annotation(args))
+                         extra=args.extra if args.extra is not None else ("deterministic",) if args.backward else ("sm80",),
+                         annotate=tile_annotation(args))
     name = "fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward else "fwd_torch.json"
     bench.save(args.out / name, rows, reps=args.reps, command=" ".join(sys.argv))
     return 0

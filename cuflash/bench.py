@@ -246,8 +246,10 @@ def host_overhead_us(xp) -> float:
 
 def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
     """name -> call for one configuration: the peers first (torch-flash is the error column's
-    reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced)
-    and "deterministic" (the backward with deterministic=True)."""
+    reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced),
+    "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
+    times it, and one per 128-row block; torch arrays only) and "deterministic" (the backward
+    with deterministic=True)."""
     import cuflash
 
     g = xp.generator(config.seqlen * config.headdim)
@@ -259,6 +261,11 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
         impls["cuflash"] = lambda: cuflash.attention(q, k, v, causal=causal)
         if "sm80" in extra:
             impls["cuflash-sm80"] = lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80")
+        if "fp8" in extra:
+            for name, block in (("cuflash-fp8", None), ("cuflash-fp8-block", 128)):
+                (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
+                impls[name] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd: cuflash.attention_fp8(
+                    q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=config.dtype))
         return impls
     dout = xp.randn(shape, config.dtype, g)
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)

@@ -11,12 +11,16 @@ from pathlib import Path
 
 # cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
-PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn")
+# cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
+PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",
+         "cuflash-fp8-block")
 # One colour per implementation in every chart (matplotlib's default cycle, in PEERS order).
-COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd")))
+COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd",
+                                          "#e377c2", "#7f7f7f")))
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
-          "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN"}
+          "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN", "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
+          "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
 
 
@@ -48,13 +52,15 @@ def render(results: list[dict], title: str = "Forward") -> str:
     cells = _cells(rows)
     gpu = rows[0]["gpu"] if rows else "?"
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
+    fp8 = "cuflash-fp8" in peers  # then also the FP8 kernel's speed-up over the 16-bit one
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
            + ("; jax-cudnn timed back to back in its own process" if "jax-cudnn" in peers else "") + "; "
            f"{_clock_range(rows)}).",
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
-           "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN | clock MHz |",
-           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|"]
+           "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN |"
+           + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
+           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|" + ("---|" if fp8 else "") + "---|"]
     for key in sorted(cells):
         c = cells[key]
         if "cuflash" not in c:
@@ -62,9 +68,12 @@ def render(results: list[dict], title: str = "Forward") -> str:
         tf = lambda name: f"{c[name]['tflops']:.0f}" if name in c else "-"
         ratio = lambda name: f"{c['cuflash']['tflops'] / c[name]['tflops']:.2f}" if name in c else "-"
         flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
+        speedup = f"{c['cuflash-fp8']['tflops'] / c['cuflash']['tflops']:.2f}" if "cuflash-fp8" in c else "-"
         out.append(f"| {key[0]} | {key[1]} | {int(key[2])} | {key[3]} | {tf('cuflash')} | "
                    + " | ".join(tf(p) for p in peers)
-                   + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
+                   + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} |"
+                   + (f" {speedup} |" if fp8 else "")
+                   + f" {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
     return "\n".join(out) + "\n"
 
 
