@@ -231,16 +231,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // Per tile (taken at the hand-off like the consumers), every block the producer loads: wait
         // for its staged V and for the consumers to free its V slot, write V^T there, make those
         // ordinary stores visible to wgmma (async proxy), release both slots. A piece is 16 keys
-        // (16g..16g+15) x 32 bytes of head dim (d0..d0+31); each warp takes every third piece. One
-        // ldmatrix.trans of byte pairs gives lane (p = lane / 4, q = lane % 4), in register m, keys
-        // 2q and 2q + 1 (+ 8 for m odd) of columns d0 + 16 (m / 2) + 2p and + 1; two byte
+        // (16g..16g+15) x 32 bytes of head dim (d0..d0+31); each warp takes every third unit of
+        // four pieces. One ldmatrix.trans of byte pairs gives lane (p = lane / 4, q = lane % 4), in
+        // register m, keys 2q and 2q + 1 (+ 8 for m odd) of columns d0 + 16 (m / 2) + 2p and + 1; two byte
         // permutes per register pair make the V^T words of those columns holding keys 2q, 2q + 1,
         // 2q + 8, 2q + 9 (the order P's A operand needs), and one stmatrix writes them at key
         // position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
         // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
         // different swizzle phases, so neither instruction has bank conflicts.
-        // The producer's 24 registers: bit 0 of `progress` is the tile parity, above it the block
-        // count `it` (as the consumers keep them); lane-derived values come from an opaque copy.
+        // The producer's 24 registers: one word holds the loop state. Bit 0: the tile parity;
+        // bits 1-7: the block count `it` modulo 2 kStages (all the slot and its phase need);
+        // bits 16 and up: the blocks left in this tile. Nothing lane-derived is kept live across
+        // the warp-role split (ptxas would spill it here): lane values come from %tid.x read again.
+        constexpr unsigned kBlockOne = 1u << 16;
         unsigned progress = 0;
         for (;;) {
           named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
@@ -248,37 +251,49 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           if (index >= p.num_tiles) break;
           progress ^= 1;
           const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
+          progress += static_cast<unsigned>(max(t.kb.n_max - t.kb.n_min, 0)) * kBlockOne;
 #pragma unroll 1
-          for (int blocks = t.kb.n_max - t.kb.n_min; blocks > 0; --blocks, progress += 2) {  // as the producer loads them
-            const int slot = (progress >> 1) % kStages;
-            const unsigned parity = ((progress >> 1) / kStages) & 1;
+          for (; progress >= kBlockOne; progress -= kBlockOne) {  // the blocks, as the producer loads them
+            const unsigned it = (progress >> 1) & 0x7fu;
+            const int slot = it % kStages;
+            const unsigned parity = it / kStages;
+            progress = (progress & ~0xfeu) | (((it + 1) % (2 * kStages)) << 1);
             mbarrier_wait(staging_full(slot), parity);
             mbarrier_wait(v_empty(slot), parity ^ 1);
-            const int t_lane = opaque(tid) % 32;
-            const int j = t_lane % 8, m = t_lane / 8;  // the row this lane addresses, of matrix m
-            // ldmatrix: matrix m is keys 8 (m % 2) + j of the piece's group, 16-byte column chunk
-            // (d0 % 128) / 16 + m / 2 of the V row, at swizzle phase j (chunk is even: + is ^).
-            const unsigned src = sVStaging + slot * kKVBytes + (8 * (m % 2) + j) * 128;
-            const unsigned src_phase = ((m / 2) ^ j) << 4;
-            // stmatrix: matrix m is V^T rows d0 + 16 (m / 2) + 2j + e, e = (m % 2) ^ (j / 4), at
-            // key chunk g, swizzle phase of that row.
-            const int row = 16 * (m / 2) + 2 * j + ((m % 2) ^ (j / 4));
-            const unsigned dst = sV + slot * kKVBytes + row * 128, dst_phase = (row % 8) << 4;
-            const unsigned even = (t_lane / 4) < 4 ? 0x6420u : 0x7531u, odd = even ^ 0x1111u;
-            // One piece at a time: two in flight (unrolled) measured 4-6% slower overall on H100
-            // (benchmarks/NOTES-fp8.md): the transposing warps compete with the consumers.
+            // A unit is 4 pieces, one 32-byte column chunk (d0) and 4 key groups, unrolled so that
+            // their addresses are immediates off one base: the transposing warps share their SMSPs
+            // with consumer warps, so their instruction count matters more than their latency (two
+            // pieces in flight measured slower, benchmarks/NOTES-fp8.md). The lane's addresses are
+            // formed per unit from the thread index read again: kept across the loop they would not
+            // fit the producer's 24 registers.
+            const unsigned slot_bytes = slot * kKVBytes;
+            constexpr unsigned kUnits = 2 * (kHeadDim / 32);
 #pragma unroll 1
-            for (int piece = tid / 32 - 1; piece < 8 * (kHeadDim / 32); piece += kTransposeWarps) {
-              const int g = piece % 8, d0 = 32 * (piece / 8);
-              unsigned r[4];
-              ldmatrix_x4_trans(r, src + (d0 / 128) * kBlockN * 128 + g * 16 * 128 + ((((d0 % 128) / 16) << 4) ^ src_phase));
-              const unsigned w[4] = {__byte_perm(r[0], r[1], even), __byte_perm(r[0], r[1], odd),
-                                     __byte_perm(r[2], r[3], even), __byte_perm(r[2], r[3], odd)};
-              stmatrix_x4(dst + d0 * 128 + ((g << 4) ^ dst_phase), w);
+            for (unsigned unit = thread_index_again() / 32 - 1; unit < kUnits; unit += kTransposeWarps) {
+              const unsigned t_lane = thread_index_again() % 32;
+              const unsigned j = t_lane % 8, m = t_lane / 8;  // the row this lane addresses, of matrix m
+              const unsigned d0 = 32 * (unit / 2), g0 = 4 * (unit % 2);
+              // ldmatrix: matrix m is keys 8 (m % 2) + j of group g, 16-byte column chunk
+              // (d0 % 128) / 16 + m / 2 of the V row (even + bit: + is ^), at swizzle phase j.
+              const unsigned in = sVStaging + slot_bytes + (d0 / 128) * kBlockN * 128 + (16 * g0 + 8 * (m % 2) + j) * 128 +
+                                  ((((d0 % 128) / 16 + m / 2) ^ j) << 4);
+              // stmatrix: matrix m is V^T rows d0 + 16 (m / 2) + 2j + e, e = (m % 2) ^ (j / 4), at key
+              // chunk g and the swizzle phase of that row.
+              const unsigned row = 16 * (m / 2) + 2 * j + ((m % 2) ^ (j / 4));
+              const unsigned out = sV + slot_bytes + (d0 + row) * 128, phase = (g0 ^ (row % 8)) << 4;
+              const unsigned even = (t_lane / 4) < 4 ? 0x6420u : 0x7531u, odd = even ^ 0x1111u;
+#pragma unroll
+              for (unsigned i = 0; i < 4; ++i) {  // key group g = g0 + i
+                unsigned r[4];
+                ldmatrix_x4_trans(r, in + i * 16 * 128);
+                const unsigned w[4] = {__byte_perm(r[0], r[1], even), __byte_perm(r[0], r[1], odd),
+                                       __byte_perm(r[2], r[3], even), __byte_perm(r[2], r[3], odd)};
+                stmatrix_x4(out + (phase ^ (i << 4)), w);
+              }
             }
             fence_proxy_async_shared();
             __syncwarp();
-            if (lane == 0) {
+            if (thread_index_again() % 32 == 0) {
               mbarrier_arrive(v_full(slot));
               mbarrier_arrive(staging_empty(slot));
             }

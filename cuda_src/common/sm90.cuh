@@ -53,6 +53,14 @@ __device__ __forceinline__ int opaque(int x) {
   return y;
 }
 
+// threadIdx.x read again from its special register: nothing is kept live for it (opaque(tid)
+// keeps tid itself live, which ptxas may place in a register the producer gives away).
+__device__ __forceinline__ unsigned thread_index_again() {
+  unsigned t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 // ---------------------------------------------------------------- shared memory by address
 
 __device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned v) {
