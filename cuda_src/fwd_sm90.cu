@@ -154,10 +154,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
                 "the registers the launch gives the CTA");
   constexpr int kAtomElems = 128 / sizeof(T);          // elements in a 128-byte swizzle row
-  constexpr int kAtoms = kHeadDim / kAtomElems;        // swizzle atoms across the head dim
-  constexpr unsigned kQBytes = kBlockM * kHeadDim * sizeof(T);
-  constexpr unsigned kKVBytes = kBlockN * kHeadDim * sizeof(T);
-  constexpr unsigned kVStagingBytes = kFp8 ? kStages * kKVBytes : 0;  // V as TMA brings it (e4m3)
+  // Swizzle atoms across the head dim: e4m3's head dim 64 fills half of one (TMA zero-fills the
+  // rest, which the GEMMs never read: S = Q K^T steps over the head dim's own bytes only).
+  constexpr int kAtoms = (kHeadDim + kAtomElems - 1) / kAtomElems;
+  constexpr unsigned kQBytes = kBlockM * kAtoms * 128;
+  constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // a K slot, a 16-bit V slot, an e4m3 staging slot
+  constexpr unsigned kVBytes = kFp8 ? kHeadDim * kBlockN : kKBytes;  // a V slot (e4m3: V^T, kHeadDim rows)
+  constexpr unsigned kVStagingBytes = kFp8 ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
   constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
@@ -166,7 +169,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr int kExpOffset = kFp8 ? 8 : 0;             // P <= 2^8 in e4m3 (online_softmax_row)
   static_assert(sizeof(TOut) == 2, "O in fp16 / bf16");
   static_assert(kFp8 || sizeof(T) == 2, "fp16 / bf16 / e4m3");
-  static_assert(kHeadDim % kAtomElems == 0 && kHeadDim <= 256, "whole swizzle atoms; wgmma N <= 256");
+  static_assert((kFp8 ? kHeadDim % 64 : kHeadDim % kAtomElems) == 0 && kHeadDim <= 256,
+                "whole swizzle atoms (e4m3: whole k32 steps, N a multiple of 64); wgmma N <= 256");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
   static_assert(!kFp8 || kBlockN == 128, "e4m3: V^T is one 128-key swizzle row; descales come per 128 keys");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
@@ -177,8 +181,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // Swizzled tiles must start on 1024-byte boundaries: round the base up (the launch asks for 1 KiB more).
   const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sK = sQ + kQBytes;                 // kStages slots
-  const unsigned sV = sK + kStages * kKVBytes;      // kStages slots (e4m3: V transposed)
-  const unsigned sVStaging = sV + kStages * kKVBytes;  // e4m3: kStages slots of V as loaded
+  const unsigned sV = sK + kStages * kKBytes;       // kStages slots (e4m3: V transposed)
+  const unsigned sVStaging = sV + kStages * kVBytes;  // e4m3: kStages slots of V as loaded
   const unsigned sO = kOStage == kOStageInQ ? sQ : sVStaging + kVStagingBytes;  // O staged for 16-byte stores
   const unsigned bars = sVStaging + kVStagingBytes + kOBytes;  // mbarriers, 8 bytes each
   const unsigned q_full = bars, q_empty = bars + 8;
@@ -266,7 +270,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             // pieces in flight measured slower, benchmarks/NOTES-fp8.md). The lane's addresses are
             // formed per unit from the thread index read again: kept across the loop they would not
             // fit the producer's 24 registers.
-            const unsigned slot_bytes = slot * kKVBytes;
+            const unsigned staging = sVStaging + slot * kKBytes, transposed = sV + slot * kVBytes;
             constexpr unsigned kUnits = 2 * (kHeadDim / 32);
 #pragma unroll 1
             for (unsigned unit = thread_index_again() / 32 - 1; unit < kUnits; unit += kTransposeWarps) {
@@ -275,12 +279,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
               const unsigned d0 = 32 * (unit / 2), g0 = 4 * (unit % 2);
               // ldmatrix: matrix m is keys 8 (m % 2) + j of group g, 16-byte column chunk
               // (d0 % 128) / 16 + m / 2 of the V row (even + bit: + is ^), at swizzle phase j.
-              const unsigned in = sVStaging + slot_bytes + (d0 / 128) * kBlockN * 128 + (16 * g0 + 8 * (m % 2) + j) * 128 +
+              const unsigned in = staging + (d0 / 128) * kBlockN * 128 + (16 * g0 + 8 * (m % 2) + j) * 128 +
                                   ((((d0 % 128) / 16 + m / 2) ^ j) << 4);
               // stmatrix: matrix m is V^T rows d0 + 16 (m / 2) + 2j + e, e = (m % 2) ^ (j / 4), at key
               // chunk g and the swizzle phase of that row.
               const unsigned row = 16 * (m / 2) + 2 * j + ((m % 2) ^ (j / 4));
-              const unsigned out = sV + slot_bytes + (d0 + row) * 128, phase = (g0 ^ (row % 8)) << 4;
+              const unsigned out = transposed + (d0 + row) * 128, phase = (g0 ^ (row % 8)) << 4;
               const unsigned even = (t_lane / 4) < 4 ? 0x6420u : 0x7531u, odd = even ^ 0x1111u;
 #pragma unroll
               for (unsigned i = 0; i < 4; ++i) {  // key group g = g0 + i
@@ -346,14 +350,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto load_kv = [&](int n) {
         if (leader) {
           mbarrier_wait(k_empty(slot), parity ^ 1);
-          mbarrier_arrive_expect_tx(k_full(slot), kKVBytes);
-          load(sK + slot * kKVBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
+          mbarrier_arrive_expect_tx(k_full(slot), kKBytes);  // zero-filled bytes count too
+          load(sK + slot * kKBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
           // e4m3: into the staging slot, which the transposing warps release.
           const unsigned v_free = kFp8 ? staging_empty(slot) : v_empty(slot);
           const unsigned v_loaded = kFp8 ? staging_full(slot) : v_full(slot);
           mbarrier_wait(v_free, parity ^ 1);
-          mbarrier_arrive_expect_tx(v_loaded, kKVBytes);
-          load((kFp8 ? sVStaging : sV) + slot * kKVBytes, &p.v_map, v_loaded, h_kv, t.k_row0 + n * kBlockN, kBlockN);
+          mbarrier_arrive_expect_tx(v_loaded, kKBytes);
+          load((kFp8 ? sVStaging : sV) + slot * kKBytes, &p.v_map, v_loaded, h_kv, t.k_row0 + n * kBlockN, kBlockN);
         }
         if (++slot == kStages) {
           slot = 0;
@@ -479,7 +483,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
           Wgmma<T, kBlockN>::ss(s, desc_q + qk_offset(kk, kBlockM),
-                                desc_k + ((slot * kKVBytes) >> 4) + qk_offset(kk, kBlockN), kk > 0);
+                                desc_k + ((slot * kKBytes) >> 4) + qk_offset(kk, kBlockN), kk > 0);
         }
         wgmma_commit();
       };
@@ -487,9 +491,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
           if constexpr (kFp8) {
-            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 32) >> 4), 1);
+            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + ((slot * kVBytes + kk * 32) >> 4), 1);
           } else {
-            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kKVBytes + kk * 2048) >> 4), 1);
+            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kVBytes + kk * 2048) >> 4), 1);
           }
         }
         wgmma_commit();

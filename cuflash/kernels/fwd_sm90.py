@@ -19,13 +19,13 @@ ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle row: head dims are compiled in multiples of it
 HEADDIMS = (64, 128, 192, 256)
 FP8 = "float8_e4m3fn"
-FP8_HEADDIMS = (128, 256)  # whole 128-element e4m3 swizzle rows (64 runs padded to 128)
+FP8_HEADDIMS = (64, 128, 256)  # e4m3 rows of 128-byte swizzle atoms (64: half of one, zero-filled)
 CXX_ELEMENT_TYPES = {**CXX_TYPES, FP8: "cuflash::e4m3_t"}
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (128, 256)
+FP8_WGMMA_N = (64, 128, 256)
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong)):
 # the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
@@ -53,9 +53,10 @@ SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2,
 # e4m3: (consumers, block_n, stages, pingpong) per compiled head dim. block_n is 128: V^T is one
 # 128-key swizzle row, and block descales come per 128 keys. Shared memory holds K, V^T and the
 # staged V per stage: at 256, two stages take 224 KiB and O is stored straight from registers; at
-# 128 a third stage measured +3-6% non-causal on H100 (benchmarks/NOTES-fp8.md), O still staged.
-FP8_TILES = {128: (2, 128, 3, True), 256: (2, 128, 2, True)}
-FP8_PASS_BY = {128: (False, True), 256: (True, True)}
+# 128 a third stage measured +3-6% non-causal on H100 (benchmarks/NOTES-fp8.md), O still staged;
+# 64 (half-filled 128-byte rows) takes the same.
+FP8_TILES = {64: (2, 128, 3, True), 128: (2, 128, 3, True), 256: (2, 128, 2, True)}
+FP8_PASS_BY = {64: (False, True), 128: (False, True), 256: (True, True)}
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
@@ -76,10 +77,12 @@ O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "dir
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str) -> int:
     fp8 = dtype == FP8
     barriers = 8 * (2 + (6 if fp8 else 4) * stages) + 8  # and two tile-index slots
-    kv_tiles = (3 if fp8 else 2) * stages  # K, V (and e4m3's staged V) per stage
+    row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
+    # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys) and the staged V (e4m3).
+    per_stage = block_n * row + (headdim * block_n + block_n * row if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
-    return (block_m + kv_tiles * block_n) * headdim * ELEMENT_SIZE[dtype] + o_bytes + barriers + 1024
+    return block_m * row + stages * per_stage + o_bytes + barriers + 1024
 
 
 # The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field (padded to its
