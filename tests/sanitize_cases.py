@@ -61,7 +61,8 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
     if int(cp.cuda.Device().compute_capability) == 90:  # fwd_fp8_sm90: V transposed by the producer warps
         for shape_q, shape_k, block, causal in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
                                                 ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
-                                                ((1, 64, 2, 64), (1, 1, 2, 64), 128, False)):
+                                                ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
+                                                ((2, 400, 4, 64), (2, 333, 2, 64), None, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)
