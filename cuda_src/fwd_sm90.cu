@@ -17,22 +17,25 @@
 //                 the rows and takes registers (setmaxnreg).
 //                 S = Q K^T is a wgmma with both operands in shared memory (K-major, 128-byte
 //                 swizzle); the online softmax runs on the S accumulators in the log2 domain; P is
-//                 packed to 16 bits in registers and O += P V is a wgmma with A from registers and
-//                 V MN-major from shared memory.
+//                 packed to 16 bits (e4m3: 8) in registers and O += P V is a wgmma with A from
+//                 registers and V MN-major from shared memory (e4m3: V^T K-major, which producer
+//                 warps 1..3 transpose from a staging slot; see kTransposeWarps).
 // Within a consumer, block j's softmax overlaps block j-1's P V: S(j) and PV(j-1) are issued
 // back to back and the warpgroup waits only for S(j) before the softmax, then for PV(j-1) before
 // rescaling O and packing the new P (the P registers are read by PV(j-1) until then).
 // With kPingPong the consumers take turns, round robin, to issue their GEMMs (one named barrier
 // each), so one warpgroup's softmax runs while the tensor cores work through another's GEMMs.
 // Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
-// first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim/64 atoms][rows][64
-// elements], 128 bytes a row, TMA's 128-byte swizzle, exactly what the wgmma descriptors read.
+// first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim atoms][rows][128
+// bytes] (an atom is 64 16-bit or 128 e4m3 elements; e4m3's head dim 64 fills half of one), TMA's
+// 128-byte swizzle, exactly what the wgmma descriptors read.
 // Rows beyond seqlen_q and keys beyond seqlen_k come back from TMA as zeros (dense) or belong to
 // the next sequence (varlen); keys are masked, rows are never stored. Head-dim columns beyond
-// `headdim` (kHeadDim is padded to a multiple of 64) are out of bounds for TMA: zeros.
-// Each consumer releases Q once its last GEMM of the tile is done, so the next tile's Q loads while
-// it divides O by the row sums and stores it straight from the accumulators (a quad of threads
-// writes 16 contiguous bytes of a row); the LSE goes out in natural log.
+// `headdim` (kHeadDim is padded to a compiled one) are out of bounds for TMA: zeros.
+// Each consumer releases Q once its last GEMM of the tile is done (or, with O staged in Q's tile,
+// once O is stored), so the next tile's Q loads while it divides O by the row sums and stores it
+// (OStage: through shared memory in 16-byte row chunks, or straight from the accumulators); the
+// LSE goes out in natural log.
 #include "common/masking.cuh"
 #include "common/sm90.cuh"
 
@@ -70,8 +73,8 @@ static_assert(sizeof(FwdSm90Params) == 576, "FwdSm90Params must match FWD_SM90_P
 // Register budgets after the split, per consumer count: setmaxnreg moves registers between the
 // warpgroups of a CTA, so producer + consumers must fit what the launch gave the CTA (__launch_bounds__
 // rounds 65536 / threads down to a multiple of 8 per thread: 168 at 384 threads). Head dim 256
-// holds a 64 x 256 fp32 O accumulator: 128 registers. The producer's 24 also serve e4m3's
-// transposing warps (written for it: see their loop).
+// holds a 64 x 256 fp32 O accumulator: 128 registers. The producer's 24 (32 with three consumers)
+// also serve e4m3's transposing warps (written for it: see their loop).
 template <int kConsumers>
 struct RegisterSplit;
 template <>
@@ -243,9 +246,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
         // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
         // different swizzle phases, so neither instruction has bank conflicts.
-        // The producer's 24 registers: one word holds the loop state. Bit 0: the tile parity;
+        // The producer's 24 registers (or 32): one word holds the loop state. Bit 0: the tile parity;
         // bits 1-7: the block count `it` modulo 2 kStages (all the slot and its phase need);
-        // bits 16 and up: the blocks left in this tile. Nothing lane-derived is kept live across
+        // bits 16 and up: the blocks left in this tile (at most 65,535: fwd_sm90.py refuses longer
+        // key sequences for e4m3). Nothing lane-derived is kept live across
         // the warp-role split (ptxas would spill it here): lane values come from %tid.x read again.
         constexpr unsigned kBlockOne = 1u << 16;
         unsigned progress = 0;

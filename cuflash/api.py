@@ -163,15 +163,15 @@ def _attention_problem(op: str, infos: dict[str, ArrayInfo], features: tuple, ba
     batch, seqlen_q, nheads, headdim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     if k.shape[0] != batch:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}; they must match")
+        raise ValueError(f"{k.name} has batch {k.shape[0]} but {q.name} has batch {batch}; they must match")
     if k.shape[3] != headdim:
-        raise ValueError(f"k has headdim {k.shape[3]} but q has headdim {headdim}; they must match")
-    _check_shape(v, k.shape, "(the shape of k)")
+        raise ValueError(f"{k.name} has headdim {k.shape[3]} but {q.name} has headdim {headdim}; they must match")
+    _check_shape(v, k.shape, f"(the shape of {k.name})")
     if headdim < 1:
-        raise ValueError(f"q must have headdim >= 1; got shape {q.shape}")
+        raise ValueError(f"{q.name} must have headdim >= 1; got shape {q.shape}")
     if nheads_kv < 1 or nheads % nheads_kv:
-        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k and v ({nheads_kv}) "
-                         "(MQA/GQA: query head h reads kv head h // (nheads // nheads_kv))")
+        raise ValueError(f"nheads of {q.name} ({nheads}) must be a multiple of nheads of {k.name} and {v.name} "
+                         f"({nheads_kv}) (MQA/GQA: query head h reads kv head h // (nheads // nheads_kv))")
     dtype = _check_same_dtype([q, k, v])
     for info in (q, k, v):
         _check_unit_last_stride(info)
@@ -461,7 +461,10 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     rows, FP8_BLOCK; row r takes [..., r // 128], the last block may be short) for its own tensor.
     Computes attention of q8 * q_descale, k8 * k_descale and v8 * v_descale, each descale expanded
     to its rows (masks, GQA and the scale as in `attention`); out in out_dtype
-    (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True.
+    (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True. Descales
+    must be positive and finite, as quantize_fp8 makes them: the GPU kernel folds q's and k's into
+    the softmax scale (which must stay positive) and divides by v's; their values are not read on
+    the host to check.
     """
     return_lse = _check_flag("return_lse", return_lse)
     out_dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)

@@ -6,7 +6,9 @@ Two ways in:
   random-sign Hadamard matrix, which cancels in q k^T and spreads outliers across the head dim).
 - `cuflash.quantize_fp8` once, then `cuflash.attention_fp8` on the e4m3 tensors and their descales:
   what a server does with a KV cache, quantizing K and V when they are written and only each new
-  query at every step (give q the seed k was transformed with).
+  query at every step (give q the seed k was transformed with). With one scale per 128 rows, a
+  block that is still filling is quantized again as rows are appended to it (or kept in 16 bits
+  until it is full); per-head scales (block=None) need an amax known in advance.
 
 The example draws a prompt with outliers (0.1% of the entries times 10, as in the FlashAttention-3
 paper's test), runs both ways, and prints the relative RMS error of each against attention on the

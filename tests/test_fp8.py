@@ -348,3 +348,29 @@ def test_quantize_fp8_refuses_cupy_arrays_by_name():
     cupy = pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
         cuflash.quantize_fp8(cupy.zeros((1, 8, 2, 64), cupy.float16))
+
+
+def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
+    """The kernel's transposing warps count a tile's key blocks in 16 bits: select refuses (and
+    dispatch then says why) instead of letting the count wrap, which would hang the kernel."""
+    import dataclasses
+
+    from cuflash.arrays import Device, DeviceArray
+    from cuflash.kernels import fwd_sm90
+    from cuflash.problem import Problem
+
+    most = fwd_sm90.FP8_MAX_KEY_BLOCKS * 128
+    problem = Problem(op="attention_fp8_forward", framework="torch", device=Device("cuda", 0), dtype="float8_e4m3fn",
+                      batch=1, seqlen_q=128, seqlen_k=most + 1, nheads=1, nheads_kv=1, headdim=128,
+                      softmax_scale=0.1, out_dtype="bfloat16")
+
+    def rows(seqlen):
+        return DeviceArray(ptr=1 << 20, shape=(1, seqlen, 1, 128), strides=(seqlen * 128, 128, 128, 1))
+
+    descale = DeviceArray(ptr=1 << 20, shape=(1, 1), strides=(1, 1))
+    inputs = dict(q=rows(128), k=rows(most + 1), v=rows(most + 1), q_descale=descale, k_descale=descale,
+                  v_descale=descale)
+    with pytest.raises(ValueError, match=f"at most {most} keys per sequence; got seqlen_k {most + 1}"):
+        fwd_sm90.select_fp8(problem, inputs)
+    accepted = fwd_sm90.select_fp8(dataclasses.replace(problem, seqlen_k=most), dict(inputs, k=rows(most), v=rows(most)))
+    assert accepted.family == "fwd_fp8_sm90" and accepted.headdim == 128

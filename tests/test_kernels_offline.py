@@ -74,14 +74,14 @@ def test_fwd_sm90_sass_uses_the_hopper_path(report):
     and ptxas did not serialise the wgmmas (C7510/C7515: accumulators touched mid-pipeline, or
     registers short)."""
     arch, _, rows = report
-    fwd = [r for r in rows if r["family"] == "fwd_sm90"]
+    fwd = [r for r in rows if r["family"] in ("fwd_sm90", "fwd_fp8_sm90")]
     if arch != "sm_90a":
         assert not fwd, "sm_90a kernels must not be offered to other archs"
         return
-    assert fwd
+    assert {r["family"] for r in fwd} == {"fwd_sm90", "fwd_fp8_sm90"}
     for r in fwd:
         ops = r["sass_opcodes"]
-        mma = "QGMMA" if "/dtype=e4m3/" in r["uri"] else "HGMMA"
+        mma = "QGMMA" if r["family"] == "fwd_fp8_sm90" else "HGMMA"
         for opcode in (mma, "UTMALDG", "SYNCS", "USETMAXREG", "MUFU"):
             assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"
         assert not {"C7510", "C7515"} & set(r["ptxas_notes"]), f"{r['uri']}: wgmma serialised {r['ptxas_notes']}"

@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, tma
-from . import CXX_TYPES, Family, Variant, cxx_bool, require_rows_aligned
+from . import CXX_TYPES, Family, Variant, compiled_headdim, cxx_bool, require_rows_aligned
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
@@ -57,7 +57,11 @@ SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2,
 # 128-byte rows) three consumer warpgroups (160 registers each, the producer 32) measured
 # 1.02-1.15x bf16 against 0.80-0.93x with two (benchmarks/NOTES-fp8.md).
 FP8_TILES = {64: (3, 128, 2, False), 128: (2, 128, 3, True), 256: (2, 128, 2, True)}
+# As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 64 and 256, not measured separately.
 FP8_PASS_BY = {64: (False, True), 128: (False, True), 256: (True, True)}
+# The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
+# are refused rather than wrapped.
+FP8_MAX_KEY_BLOCKS = 2**16 - 1
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
@@ -171,6 +175,13 @@ class FwdSm90Variant(Variant):
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by))
 
 
+@dataclass(frozen=True)
+class FwdFp8Sm90Variant(FwdSm90Variant):
+    """The same template on e4m3 inputs, named after its family (fwd_fp8_sm90) in URIs and reports."""
+
+    family = "fwd_fp8_sm90"
+
+
 def _rows(headdim: int, softcap: bool):
     return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
@@ -186,7 +197,7 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, .
 
 
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(FP8, out, hd, *FP8_TILES[hd], False, False, pass_by) for out in sorted(CXX_TYPES)
+    return tuple(FwdFp8Sm90Variant(FP8, out, hd, *FP8_TILES[hd], False, False, pass_by) for out in sorted(CXX_TYPES)
                  for hd in FP8_HEADDIMS for pass_by in sorted(set(FP8_PASS_BY[hd])))
 
 
@@ -240,10 +251,13 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     for name in ("q_descale", "k_descale", "v_descale"):
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
-    headdim = next(h for h in FP8_HEADDIMS if h >= problem.headdim)
+    headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     masked = problem.window_left >= 0 or problem.window_right >= 0
-    variant = FwdSm90Variant(FP8, problem.out_dtype, headdim, *FP8_TILES[headdim], False, False,
-                             FP8_PASS_BY[headdim][masked])
+    variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *FP8_TILES[headdim], False, False,
+                                FP8_PASS_BY[headdim][masked])
+    if math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
+        raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
+                         f"got seqlen_k {problem.seqlen_k}")
     _check_tile_count("fwd_fp8_sm90", problem, variant)
     return variant
 
