@@ -240,17 +240,17 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // ordinary stores visible to wgmma (async proxy), release both slots. A piece is 16 keys
         // (16g..16g+15) x 32 bytes of head dim (d0..d0+31); each warp takes every third unit of
         // four pieces. One ldmatrix.trans of byte pairs gives lane (p = lane / 4, q = lane % 4), in
-        // register m, keys 2q and 2q + 1 (+ 8 for m odd) of columns d0 + 16 (m / 2) + 2p and + 1; two byte
-        // permutes per register pair make the V^T words of those columns holding keys 2q, 2q + 1,
-        // 2q + 8, 2q + 9 (the order P's A operand needs), and one stmatrix writes them at key
-        // position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
+        // register m, keys 2q and 2q + 1 (+ 8 for m odd) of columns d0 + 16 (m / 2) + 2p and + 1;
+        // two byte permutes per register pair make the V^T words of those columns holding keys 2q,
+        // 2q + 1, 2q + 8, 2q + 9 (the order P's A operand needs), and one stmatrix writes them at
+        // key position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
         // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
         // different swizzle phases, so neither instruction has bank conflicts.
         // The producer's 24 registers (or 32): one word holds the loop state. Bit 0: the tile parity;
-        // bits 1-7: the block count `it` modulo 2 kStages (all the slot and its phase need);
-        // bits 16 and up: the blocks left in this tile (at most 65,535: fwd_sm90.py refuses longer
-        // key sequences for e4m3). Nothing lane-derived is kept live across
-        // the warp-role split (ptxas would spill it here): lane values come from %tid.x read again.
+        // bits 1-7: the block count `it` modulo 2 kStages (all the slot and its phase need); bits 16
+        // and up: the blocks left in this tile (at most 65,535: fwd_sm90.py refuses longer key
+        // sequences for e4m3). Nothing lane-derived is kept live across the warp-role split (ptxas
+        // would spill it here): lane values come from %tid.x read again.
         constexpr unsigned kBlockOne = 1u << 16;
         unsigned progress = 0;
         for (;;) {
@@ -467,19 +467,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
       float s[kSAcc];
       unsigned pa[kPSteps][4];
-      // e4m3: descale[kv][b * stride_b + h_kv * stride_h + n * stride_block] of key block n.
-      auto kv_descale = [&](int which, int n) {
-        return p.descale[which][t.b * p.descale_stride_b[which] + (t.h / p.group) * p.descale_stride_h[which] +
-                                n * p.descale_stride_block[which]];
+      // e4m3: the descale of tensor `which` (q, k, v) for this tile's batch, head `head` and block
+      // of 128 rows `block` (FwdSm90Params); k's and v's of key block n (kBlockN is 128).
+      auto descale = [&](int which, int head, int block) {
+        return p.descale[which][t.b * p.descale_stride_b[which] + head * p.descale_stride_h[which] +
+                                block * p.descale_stride_block[which]];
       };
+      auto kv_descale = [&](int which, int n) { return descale(which, t.h / p.group, n); };
       if constexpr (kFp8) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int row = t.m0 + wg * 64 + row_in_wg + 8 * hf;
-          if (row < t.seqlen_q) {
-            q_descale[hf] = p.descale[0][t.b * p.descale_stride_b[0] + t.h * p.descale_stride_h[0] +
-                                         (row / 128) * p.descale_stride_block[0]];
-          }
+          if (row < t.seqlen_q) q_descale[hf] = descale(0, t.h, row / 128);
         }
       }
 

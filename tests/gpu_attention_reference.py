@@ -1,7 +1,7 @@
 """Attention in torch on the GPU, for the GPU tests: the float32/float64 reference of the
 contract (checked against cuflash.reference in test_gpu_fwd) and the "plain low-precision
 implementation" FlashAttention's test criterion compares against (scores, softmax and PV in
-the input dtype)."""
+the input dtype); and run_poisoned, which runs a forward Problem into NaN-poisoned outputs."""
 import math
 
 import torch
@@ -39,4 +39,16 @@ def attention(q, k, v, *, compute_dtype, causal=False, softmax_scale=None, windo
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
     out = torch.matmul(p, vt).transpose(1, 2)
+    return out, lse
+
+
+def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype):
+    """dispatch.execute a forward Problem on torch's current stream into out (out_dtype) and lse
+    (float32) filled with NaN beforehand, so an element the kernel never wrote shows up."""
+    from cuflash import dispatch
+
+    out = torch.full(out_shape, float("nan"), device="cuda", dtype=out_dtype)
+    lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
+    dispatch.execute(problem, inputs, dict(out=out, lse=lse), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
     return out, lse

@@ -67,14 +67,6 @@ def _problem(op, q, k, backend, **kw):
                    softcap=float(kw["softcap"]), backend=backend)
 
 
-def _run_poisoned(problem, inputs, out_shape, lse_shape, dtype):
-    out = torch.full(out_shape, float("nan"), device="cuda", dtype=dtype)
-    lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
-    dispatch.execute(problem, inputs, dict(out=out, lse=lse), torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    return out, lse
-
-
 def _check(out, lse, q, k, v, kw):
     ref_out, ref_lse = gpu_attention.attention(q, k, v, compute_dtype=torch.float32, **kw)
     low_out, _ = gpu_attention.attention(q, k, v, compute_dtype=q.dtype, **kw)
@@ -103,9 +95,9 @@ def test_forward_matches_reference(backend, dtype, headdim, batch, seqlen_q, seq
     v = _strided((batch, seqlen_k, nheads_kv, headdim), dtype, layout, g)
     problem = _problem("attention_forward", q, k, backend, **kw)
     inputs = dict(q=q, k=k, v=v)
-    out, lse = _run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
     _check(out, lse, q, k, v, kw)
-    again, lse_again = _run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), dtype)
     assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
 
 
@@ -128,8 +120,8 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
     problem = _problem("attention_forward", q[None], k[None], backend, **kw)
     problem = dataclasses.replace(problem, op="attention_varlen_forward", batch=len(lens), seqlen_q=max_q,
                                   seqlen_k=max_k, total_q=total_q, total_k=total_k)
-    out, lse = _run_poisoned(problem, dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q.shape,
-                             (nheads, total_q), dtype)
+    inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (nheads, total_q), dtype)
     for b, (lq, lk) in enumerate(lens):
         sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         sk = slice(int(cu_k[b]), int(cu_k[b + 1]))

@@ -1,5 +1,6 @@
-// Element types (16-bit, and e4m3 as opaque bytes) and the 16-bit conversions, written with PTX so that no CUDA toolkit header
-// is needed: NVRTC compiles cuflash's sources with nothing on its include path but cuda_src/.
+// Element types (16-bit, and e4m3 as opaque bytes) and their conversions, written with PTX so that
+// no CUDA toolkit header is needed: NVRTC compiles cuflash's sources with nothing on its include
+// path but cuda_src/.
 #pragma once
 
 namespace cuflash {

@@ -94,16 +94,15 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
 # 64-byte alignment).
 _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [(name, np.uint64) for name in ("out", "lse", "cu_seqlens_q", "cu_seqlens_k")]
-           + [("descale", np.uint64, 3)]
+           + [("descale", (np.uint64, 3))]
            + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
            + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
-           + [(f"descale_stride_{d}", np.int32, 3) for d in ("b", "h", "block")]
+           + [(f"descale_stride_{d}", (np.int32, 3)) for d in ("b", "h", "block")]
            + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left",
                                             "window_right")]
            + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
            + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")])
-FWD_SM90_PARAMS = np.dtype({"names": [f[0] for f in _FIELDS], "formats": [f[1:] if len(f) > 2 else f[1] for f in _FIELDS],
-                            "itemsize": 576}, align=False)
+FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 576})
 assert FWD_SM90_PARAMS.fields["counter_slot"][1] == 564, "keep in step with FwdSm90Params"
 PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
 
@@ -231,16 +230,19 @@ def _check_tile_count(family: str, problem, variant) -> None:
                          "large")
 
 
+def _pass_by(table: dict, headdim: int, problem) -> bool:
+    """The pass-by choice of `table` (PASS_BY, FP8_PASS_BY) for this head dim and mask."""
+    return table[headdim][problem.window_left >= 0 or problem.window_right >= 0]
+
+
 def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     _check_loadable("fwd_sm90", problem, inputs)
-    atom = SWIZZLE_ROW_BYTES // ELEMENT_BYTES
-    headdim = atom * math.ceil(problem.headdim / atom)
+    headdim = compiled_headdim(problem.headdim, HEADDIMS)
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
-    masked = problem.window_left >= 0 or problem.window_right >= 0
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
-                             PASS_BY[headdim][masked])
+                             _pass_by(PASS_BY, headdim, problem))
     _check_tile_count("fwd_sm90", problem, variant)
     return variant
 
@@ -252,9 +254,8 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    masked = problem.window_left >= 0 or problem.window_right >= 0
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *FP8_TILES[headdim], False, False,
-                                FP8_PASS_BY[headdim][masked])
+                                _pass_by(FP8_PASS_BY, headdim, problem))
     if math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
         raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
                          f"got seqlen_k {problem.seqlen_k}")
