@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
     parser.add_argument("--extra", default=None, type=lambda s: tuple(x for x in s.split(",") if x),
-                        help="cuflash variants timed beside cuflash: sm80, fp8 (forward; default sm80), "
-                        "deterministic (backward; its default); an empty string for none")
+                        help="cuflash variants timed beside cuflash: sm80 (forward's default), fp8 (forward), "
+                        "deterministic (backward's default); an empty string for none")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)

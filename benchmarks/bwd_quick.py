@@ -2,7 +2,8 @@
 table's) against torch SDPA's flash backward (FlashAttention-2), interleaved, median of CUDA-event
 timings, backward FLOPs counted as 2.5x the forward's. No clocks recorded: the numbers to report
 come from the harness, `benchmarks/bench_fwd.py --backward`.
-`python benchmarks/bwd_quick.py [--headdims 64,128] [--tiles 128:64:64:8:1,...]`."""
+On Hopper bwd_sm80 (backend="sm80") is timed beside the default (bwd_sm90).
+`python benchmarks/bwd_quick.py [--headdims 64,128] [--seqlens 1024,4096] [--tiles 128:64:64:8:1,...]`."""
 import statistics
 import sys
 
@@ -20,7 +21,7 @@ if "--tiles" in sys.argv:  # time other tiles than the table's: --tiles hd:block
 headdims = [int(x) for x in sys.argv[sys.argv.index("--headdims") + 1].split(",")] if "--headdims" in sys.argv else [64, 128]
 for headdim in headdims:
     for causal in (False, True):
-        for seqlen in (1024, 4096):
+        for seqlen in [int(x) for x in sys.argv[sys.argv.index("--seqlens") + 1].split(",")] if "--seqlens" in sys.argv else (1024, 4096):
             batch, nheads = 16384 // seqlen, 2048 // headdim
             q, k, v, do = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                            for _ in range(4))
@@ -31,6 +32,9 @@ for headdim in headdims:
             dot = do.transpose(1, 2)
             calls = {"cuflash": lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal),
                      "torch-flash": lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True)}
+            if torch.cuda.get_device_capability() == (9, 0):  # the portable kernel beside bwd_sm90
+                calls["cuflash-sm80"] = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                           backend="sm80")
             times = {n: [] for n in calls}
             for _ in range(3):
                 for c in calls.values():

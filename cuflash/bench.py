@@ -271,6 +271,9 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     impls = xp.peers(q, k, v, causal, backward=True, dout=dout)
     impls["cuflash"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    if "sm80" in extra:
+        impls["cuflash-sm80"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                   backend="sm80")
     if "deterministic" in extra:
         impls["cuflash-deterministic"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                             deterministic=True)

@@ -62,14 +62,14 @@ class Outcome:
 
 def draw_cases(rng: np.random.Generator, compute_capability, per_op: int = 3) -> list[Case]:
     """`per_op` cases for every op of every family that runs on this compute capability (packed
-    sequences for the varlen ops), one more with deterministic=True for each backward op, and one
-    for backward_preprocess."""
+    sequences for the varlen ops), one more with deterministic=True for each backward op of a family
+    that offers it, and one for backward_preprocess. Head dims stay within the family's max_headdim."""
     cases = []
     for family in kernels.FAMILIES.values():
         if not family.runs_on(compute_capability):
             continue
         for op in family.ops:
-            backward = op.endswith("_backward")
+            backward = op.endswith("_backward") and family.deterministic
             count = 1 if op == "backward_preprocess" else per_op + backward
             for i in range(count):
                 cases.append(_draw(rng, family, op, varlen="varlen" in op, deterministic=backward and i == per_op))
@@ -82,7 +82,8 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     dtype = str(rng.choice(sorted(api.FP8_OUT_DTYPES if fp8 else family.dtypes)))
     # Half the draws take a head dim the family compiles (the common case), half any multiple of 8
     # (of 16 for e4m3: 16-byte rows).
-    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else HEADDIMS[1::2] if fp8 else HEADDIMS))
+    headdims = tuple(h for h in (HEADDIMS[1::2] if fp8 else HEADDIMS) if h <= family.max_headdim)
+    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else headdims))
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}

@@ -29,7 +29,7 @@ for backend in BACKENDS:
     q, k = randn((140, 4, 64), "float16"), randn((140, 2, 64), "float16")
     out = cuflash.attention_varlen(q, k, k, cu, cu, 135, 135, causal=True, backend=backend)
     print(backend, "varlen ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
-# the backward (bwd_sm80), each tile shape of its table: Pᵀ in registers (32, 64) or through shared
+# the backward (bwd_sm80, and bwd_sm90 on Hopper), each bwd_sm80 tile shape of its table: Pᵀ in registers (32, 64) or through shared
 # memory (96-256), 224 padded to 256's kernel; GQA, sliding window, softcap, ragged tails, key blocks no
 # query sees, a padded head dim; deterministic (ordered dQ) and varlen with an empty sequence
 for dtype, d, kw in (("bfloat16", 64, dict(window=(10, 0))), ("float16", 32, dict(window=(10, 0))),
@@ -38,15 +38,23 @@ for dtype, d, kw in (("bfloat16", 64, dict(window=(10, 0))), ("float16", 32, dic
     fwd_kw = {n: x for n, x in kw.items() if n != "deterministic"}
     q, k = randn((2, 77, 4, d), dtype), randn((2, 130, 2, d), dtype)
     out, lse = cuflash.attention(q, k, k, return_lse=True, **fwd_kw)
-    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, **kw)
-    print("bwd_sm80", dtype, d, kw, "ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))
+    # bwd_sm90 (Hopper) as well where it serves the call: head dims up to 128, not deterministic
+    for backend in BACKENDS if d <= 128 and not kw.get("deterministic") else ["sm80"]:
+        dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, backend=backend, **kw)
+        print("bwd", backend, dtype, d, kw, "ran; max |dk| =", float(cp.abs(dk.astype(cp.float32)).max()))
 cu_q, cu_k = cp.asarray(np.array([0, 70, 70, 173], np.int32)), cp.asarray(np.array([0, 5, 90, 190], np.int32))
-for deterministic in (False, True):
+for backend, deterministic in [("sm80", False), ("sm80", True)] + [("sm90", False)] * ("sm90" in BACKENDS):
     q, k = randn((173, 4, 128), "bfloat16"), randn((190, 2, 128), "bfloat16")
     out, lse = cuflash.attention_varlen(q, k, k, cu_q, cu_k, 103, 100, causal=True, return_lse=True)
     dq, dk, dv = cuflash.attention_varlen_backward(out, q, k, k, out, lse, cu_q, cu_k, 103, 100, causal=True,
-                                                   deterministic=deterministic)
-    print("bwd_sm80 varlen deterministic", deterministic, "ran; max |dq| =", float(cp.abs(dq.astype(cp.float32)).max()))
+                                                   deterministic=deterministic, backend=backend)
+    print("bwd", backend, "varlen deterministic", deterministic, "ran; max |dq| =", float(cp.abs(dq.astype(cp.float32)).max()))
+# bwd_sm90 with more query tiles than Q/dO slots in flight and both consumers taking dQ turns
+if "sm90" in BACKENDS:
+    q, k = randn((1, 700, 4, 64), "float16"), randn((1, 300, 1, 64), "float16")
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(out, q, k, k, out, lse, backend="sm90")
+    print("bwd sm90 GQA 4, 700 x 300 ran; max |dq| =", float(cp.abs(dq.astype(cp.float32)).max()))
 try:
     import torch
 except ImportError:

@@ -308,7 +308,7 @@ def _feature_cases():
     for label, value in (("unknown", "sm70"), ("family-name", "fwd_sm90"), ("int", 90), ("upper", "SM90")):
         bad(FORWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80', 'sm90'\]",
             kw=dict(backend=value))
-        bad(BACKWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80'\]",
+        bad(BACKWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80', 'sm90'\]",
             kw=dict(backend=value))
     # On CPU arrays a kernel backend cannot run: nothing is copied to a GPU behind the caller's back.
     bad(FORWARDS, "backend-on-cpu", ValueError, r"^backend='sm90' names a GPU kernel family, but the arrays are on cpu",

@@ -29,9 +29,11 @@ def test_check_draws_every_family_and_op_of_the_gpu(compute_capability):
     cases = check.draw_cases(np.random.default_rng(0), compute_capability, per_op=3)
     drawn = {(c.family, c.op) for c in cases}
     families = {"fwd_sm80", "bwd_sm80", "bwd_preprocess"}
-    families |= {"fwd_sm90", "fwd_fp8_sm90", "quantize_fp8"} if compute_capability == (9, 0) else set()
+    families |= {"fwd_sm90", "fwd_fp8_sm90", "bwd_sm90", "quantize_fp8"} if compute_capability == (9, 0) else set()
     assert {f for f, _ in drawn} == families
     assert ("bwd_sm80", "attention_varlen_backward") in drawn
+    # bwd_sm90 has no deterministic mode and compiles head dims up to 128: its draws stay within both
+    assert all(c.headdim <= 128 and not c.deterministic for c in cases if c.family == "bwd_sm90")
     deterministic = {c.op for c in cases if c.deterministic}
     assert deterministic == {"attention_backward", "attention_varlen_backward"}
 

@@ -39,6 +39,14 @@ struct Wgmma<{cxx_type}, {n}> {{
         : {outs}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }}
+  static __device__ __forceinline__ void ss_mn_major(float (&d)[{n_acc}], unsigned long long desc_a,
+                                                     unsigned long long desc_b, int accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n"
+        "{inst} {{{regs}}}, %{a}, %{b}, p, 1, 1, 1, 1;\\n}}\\n"
+        : {outs}
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }}
   static __device__ __forceinline__ void rs_b_mn_major(float (&d)[{n_acc}], const unsigned (&a)[4],
                                                        unsigned long long desc_b, int accumulate) {{
     asm volatile(
@@ -88,6 +96,7 @@ def render() -> str:
         "// per thread; register i holds row 16 * warp + lane / 4 + 8 * ((i >> 1) & 1), column\n"
         "// 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)).\n"
         "//   ss:            D (+)= A B, A and B in shared memory, both K-major (descriptors)\n"
+        "//   ss_mn_major:   (16-bit) the same with both MN-major (transpose-A = transpose-B = 1)\n"
         "//   rs_b_mn_major: (16-bit) D (+)= A B, A in registers (4 x b32: the accumulator layout of 16\n"
         "//                  columns), B in shared memory MN-major (transpose-B = 1)\n"
         "//   rs:            (e4m3) D (+)= A B, A in registers (4 x b32, 16 bytes: row r columns 4q..4q+3,\n"

@@ -115,6 +115,10 @@ class Family:
     # allocated like them by the caller's framework (so CUDA graphs capture them, JAX's XLA owns
     # them); contents undefined on entry. From the problem alone: JAX declares them at trace time.
     workspace: Callable[[Any], dict] | None = None
+    # The largest head dim `select` accepts, and whether it serves deterministic=True (backward):
+    # what `python -m cuflash`'s check draws for this family stays within them.
+    max_headdim: int = 256
+    deterministic: bool = True
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
@@ -132,10 +136,11 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess, bwd_sm80, fwd_sm80, fwd_sm90, quantize_fp8
+    from . import bwd_preprocess, bwd_sm80, bwd_sm90, fwd_sm80, fwd_sm90, quantize_fp8
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
-    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, bwd_sm80.FAMILY, bwd_preprocess.FAMILY,
+    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, bwd_sm90.FAMILY, bwd_sm80.FAMILY,
+            bwd_preprocess.FAMILY,
             quantize_fp8.FAMILY)
 
 

@@ -168,7 +168,7 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
                                                                          problem.seqlen_q)
     buffers = dict(delta=(lse_shape, "float32"),
-                   dq_accum=((rows_q, problem.nheads, compiled_headdim(problem.headdim, HEADDIMS)), "float32"))
+                   dq_accum=((rows_q, problem.nheads, accumulator_headdim(problem)), "float32"))
     if problem.deterministic:
         buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
     return buffers
@@ -182,25 +182,53 @@ def _zero(stream, *arrays_: DeviceArray, itemsize: int) -> None:
             cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * itemsize, stream.ptr)
 
 
-def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
+def prepare(problem, inputs, outputs, stream) -> bool:
+    """What every backward kernel needs before it runs: the float32 dQ buffer (and the semaphores)
+    zeroed and delta = rowsum(dout * out) computed. False when there is nothing to compute: the
+    gradients are then zeroed here (the outputs are contiguous)."""
     dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
-    rows_q = _query_rows(problem)
-    if rows_q * problem.nheads == 0 or math.prod(dk.shape) == 0:
-        # no query sees a key (or there are none): zero gradients; the outputs are contiguous
+    if _query_rows(problem) * problem.nheads == 0 or math.prod(dk.shape) == 0:
+        # no query sees a key (or there are none): zero gradients
         _zero(stream, dq, dk, dv, itemsize=ELEMENT_BYTES)
-        return
-    device = problem.device.index
-    q, k, v, dout, out, lse = (inputs[n] for n in ("q", "k", "v", "dout", "out", "lse"))
-    delta, dq_accum = outputs["delta"], outputs["dq_accum"]  # contiguous, as workspace() declares them
+        return False
     semaphore = outputs["dq_semaphore"] if problem.deterministic else None
-    _zero(stream, dq_accum, *([semaphore] if semaphore else []), itemsize=4)
+    _zero(stream, outputs["dq_accum"], *([semaphore] if semaphore else []), itemsize=4)
     # The preprocess sees varlen rows as one sequence of total_q rows.
     pre_problem = problem if not problem.varlen else _as_one_sequence(problem)
-    pre_inputs = dict(out=out, dout=dout) if not problem.varlen else {
-        n: DeviceArray(x.ptr, (1, *x.shape), (0, *x.strides)) for n, x in (("out", out), ("dout", dout))}
+    pre_inputs = dict(out=inputs["out"], dout=inputs["dout"]) if not problem.varlen else {
+        n: DeviceArray(inputs[n].ptr, (1, *inputs[n].shape), (0, *inputs[n].strides)) for n in ("out", "dout")}
     pre_variant = bwd_preprocess.select(pre_problem, pre_inputs)
-    bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, device), pre_problem, pre_inputs,
-                          dict(delta=delta), stream)
+    bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, problem.device.index), pre_problem, pre_inputs,
+                          dict(delta=outputs["delta"]), stream)
+    return True
+
+
+def accumulator_headdim(problem) -> int:
+    """The head dim of the dQ buffer's rows (workspace): the compiled head dim of this family."""
+    return compiled_headdim(problem.headdim, HEADDIMS)
+
+
+def convert_dq(problem, outputs, stream) -> None:
+    """dq = the float32 dQ buffer in the input dtype (after the main kernel)."""
+    headdim = accumulator_headdim(problem)
+    dq, dq_accum = outputs["dq"], outputs["dq_accum"]
+    rows_q = _query_rows(problem)
+    pairs = rows_q * problem.nheads * (headdim // 2)
+    with stream:
+        jit.get_function(BwdSm80DqVariant(problem.dtype, headdim), problem.device.index)(
+            (math.ceil(pairs / 256),), (256,),
+            (np.uint64(dq_accum.ptr), np.uint64(dq.ptr), np.int32(rows_q * problem.nheads), np.int32(problem.nheads),
+             np.int32(problem.total_q if problem.varlen else problem.seqlen_q), np.int32(problem.headdim),
+             *(np.int64(s) for s in token_strides(problem, dq))))
+
+
+def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
+    if not prepare(problem, inputs, outputs, stream):
+        return
+    q, k, v, dout, lse = (inputs[n] for n in ("q", "k", "v", "dout", "lse"))
+    dk, dv = outputs["dk"], outputs["dv"]
+    delta, dq_accum = outputs["delta"], outputs["dq_accum"]  # contiguous, as workspace() declares them
+    semaphore = outputs["dq_semaphore"] if problem.deterministic else None
     scale_log2, softcap_exp2_scale, softcap = softmax_constants(problem)
     params = np.empty(1, BWD_PARAMS)
     params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr,
@@ -213,14 +241,7 @@ def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) 
     if grid[0]:
         with stream:
             function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
-    dq_variant = BwdSm80DqVariant(problem.dtype, variant.headdim)
-    pairs = rows_q * problem.nheads * (variant.headdim // 2)
-    dq_strides = token_strides(problem, dq)
-    with stream:
-        jit.get_function(dq_variant, device)((math.ceil(pairs / 256),), (256,), (
-            np.uint64(dq_accum.ptr), np.uint64(dq.ptr), np.int32(rows_q * problem.nheads),
-            np.int32(problem.nheads), np.int32(problem.total_q if problem.varlen else problem.seqlen_q),
-            np.int32(problem.headdim), *(np.int64(s) for s in dq_strides)))
+    convert_dq(problem, outputs, stream)
 
 
 def _as_one_sequence(problem):

@@ -211,13 +211,14 @@ def _token_strides(problem, array) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _check_loadable(family: str, problem, inputs) -> None:
-    """q, k and v can be described by TMA descriptors (ValueError otherwise)."""
+def check_loadable(family: str, problem, inputs, names=("q", "k", "v")) -> None:
+    """The named inputs (q, k, v and, for the backward, dout) can be described by TMA descriptors
+    (ValueError otherwise)."""
     if problem.seqlen_q == 0 or problem.seqlen_k == 0 or (problem.varlen and not (problem.total_q and problem.total_k)):
-        raise ValueError(f"{family} loads through TMA descriptors, which cannot describe an empty q, k or v")
+        raise ValueError(f"{family} loads through TMA descriptors, which cannot describe an empty {', '.join(names)}")
     size = ELEMENT_SIZE[problem.dtype]
-    require_rows_aligned(family, inputs, ("q", "k", "v"), size)
-    for name in ("q", "k", "v"):
+    require_rows_aligned(family, inputs, names, size)
+    for name in names:
         if not tma.strides_encodable([s * size for s in _token_strides(problem, inputs[name])]):
             raise ValueError(f"{family} loads {name} with TMA, which needs positive strides below 2^40 bytes; "
                              f"got strides {inputs[name].strides}")
@@ -237,7 +238,7 @@ def _pass_by(table: dict, headdim: int, problem) -> bool:
 
 def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
-    _check_loadable("fwd_sm90", problem, inputs)
+    check_loadable("fwd_sm90", problem, inputs)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
@@ -249,7 +250,7 @@ def select(problem, inputs) -> FwdSm90Variant:
 
 def select_fp8(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_fp8_sm90", problem.headdim, FP8_HEADDIMS[-1])
-    _check_loadable("fwd_fp8_sm90", problem, inputs)
+    check_loadable("fwd_fp8_sm90", problem, inputs)
     for name in ("q_descale", "k_descale", "v_descale"):
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
@@ -263,7 +264,8 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def _tensor_map(problem, array, nheads: int, rows: int) -> bytes:
+def tensor_map(problem, array, nheads: int, rows: int) -> bytes:
+    """The TMA descriptor of q, k, v (or dout) for boxes of one swizzle row by `rows` tokens of one head."""
     size = ELEMENT_SIZE[problem.dtype]
     strides = tuple(s * size for s in _token_strides(problem, array))
     atom = SWIZZLE_ROW_BYTES // size  # elements of one swizzle row: the box's inner extent
@@ -299,9 +301,9 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
     descale_ptrs, *descale_strides = _descales(inputs)
     params = np.empty(1, FWD_SM90_PARAMS)
-    params[0] = (_tensor_map(problem, q, problem.nheads, variant.block_m),
-                 _tensor_map(problem, k, problem.nheads_kv, variant.block_n),
-                 _tensor_map(problem, v, problem.nheads_kv, variant.block_n),
+    params[0] = (tensor_map(problem, q, problem.nheads, variant.block_m),
+                 tensor_map(problem, k, problem.nheads_kv, variant.block_n),
+                 tensor_map(problem, v, problem.nheads_kv, variant.block_n),
                  out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
                  problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
                  *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,

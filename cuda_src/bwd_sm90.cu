@@ -1,0 +1,359 @@
+// FlashAttention backward for Hopper (sm_90a): TMA producer, two wgmma consumer warpgroups.
+//
+// The algorithm is bwd_sm80's (reference.backward_tiled): one CTA owns kBlockN = 128 keys of one
+// (batch, kv head), keeps their dK and dV in registers, and visits, for every query head of the kv
+// head's group, the blocks of kBlockM = 64 queries that see them. Everything is computed transposed,
+// keys as wgmma's M, so that Pᵀ and dSᵀ come out of the accumulators in the layout of a register A
+// operand. Three warpgroups:
+//   warpgroup 0   producer (setmaxnreg down). Thread 0 loads K and V once, then each query tile's
+//                 Q and dO by TMA into a kStages-deep ring (128-byte swizzle, zero fill out of
+//                 bounds); warp 1 copies the tile's LSE (times log2 e) and D = rowsum(dO ∘ O) into
+//                 the same slot with ordinary loads. Both arrive on the slot's "full" mbarrier; the
+//                 consumers' warps arrive on its "empty" one when done with it.
+//   warpgroups 1, 2  consumers, 64 keys each (setmaxnreg up), per query tile:
+//     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   wgmma SS, both operands K-major (M = 64 keys, N = 64 queries)
+//     Pᵀ = exp2(Sᵀ scale log2 e - LSE log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) with softcap),
+//                              on the accumulators; masked elements and tails are 0
+//     dV += Pᵀ dO, dK += dSᵀ Q wgmma RS: Pᵀ and dSᵀ packed to 16 bits in registers, dO and Q
+//                              MN-major from their tiles (N = head dim, K = 64 queries)
+//     dSᵀ to shared memory     both warpgroups' 64 keys side by side: [128 keys][64 queries], the
+//                              128-byte swizzle; a named barrier between the two warpgroups
+//     dQ = dS K                wgmma SS with both operands MN-major (dS from dSᵀ, K as loaded;
+//                              M = 64 queries, N = head dim, K = 128 keys), issued by one warpgroup,
+//                              the two taking turns tile by tile; added to the float32 dQ buffer
+//                              with two-float reductions (times the softmax scale).
+// dSᵀ has two buffers: a warpgroup writes tile t's while the other may still run tile t-1's dQ.
+// dK (times the softmax scale) and dV are stored from the accumulators at the end. Keys past
+// seqlen_k and queries past seqlen_q come back from TMA as zeros (dense) or as the next sequence's
+// rows (varlen): masked, never stored. Head-dim columns past `headdim` are zero-filled by TMA.
+#include "common/masking.cuh"
+#include "common/sm90.cuh"
+
+namespace cuflash {
+
+// The launch arguments, one struct passed by value, the tensor maps first; reproduced by
+// BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py.
+struct BwdSm90Params {
+  TmaMap q_map, k_map, v_map, do_map;  // dense: rank 4 {dim, heads, seqlen, batch}; varlen: rank 3 {dim, heads, total}
+  const float* lse;    // dense (batch, heads, seqlen_q), varlen (heads, total_q); natural log
+  const float* delta;  // rowsum(dout * out), laid out like lse
+  float* dq_accum;     // (rows of all sequences, heads, dq_accum_stride_h) float32, zeroed
+  void* dk;
+  void* dv;
+  const int* cu_seqlens_q;  // varlen only
+  const int* cu_seqlens_k;
+  long long dk_stride_b, dk_stride_s, dk_stride_h;  // in elements; batch strides unused for varlen
+  long long dv_stride_b, dv_stride_s, dv_stride_h;
+  long long lse_stride_b, lse_stride_h;
+  long long delta_stride_b, delta_stride_h;
+  long long dq_accum_stride_s;  // floats per query row: heads * dq_accum_stride_h
+  int dq_accum_stride_h;
+  int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
+  int group, headdim, window_left, window_right;
+  float scale;             // softmax_scale
+  float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
+  float softcap_exp2_scale;
+  float softcap;
+};
+static_assert(sizeof(BwdSm90Params) == 704, "BwdSm90Params must match BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py");
+
+constexpr int kBwdDsBarrier = 1;  // named barrier: both consumers' dSᵀ are in shared memory
+
+template <typename T, int kHeadDim, int kStages, bool kVarlen, bool kSoftcap>
+__global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm90Params p) {
+  constexpr int kBlockM = 64, kBlockN = 128;     // queries per tile, keys per CTA (64 per consumer)
+  constexpr int kAtoms = kHeadDim / 64;          // 128-byte swizzle rows across the head dim
+  constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // K, or V
+  constexpr unsigned kQBytes = kBlockM * kAtoms * 128;  // Q, or dO, of one slot
+  constexpr unsigned kSlotBytes = 2 * kQBytes;          // a slot: Q, then dO
+  constexpr unsigned kDsBytes = kBlockN * 128;          // a dSᵀ buffer: 128 keys x 64 queries
+  constexpr unsigned kRowsBytes = 2 * kBlockM * 4;      // a slot's LSE (log2) and D
+  constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  constexpr int kDAcc = kHeadDim / 2;                   // dK, dV, dQ accumulators per thread
+  constexpr int kSAcc = kBlockM / 2;                    // Sᵀ, dPᵀ accumulators per thread
+  constexpr int kHeadSteps = kHeadDim / 16;             // k16 steps of Sᵀ and dPᵀ
+  constexpr int kQuerySteps = kBlockM / 16;             // of dV and dK
+  constexpr int kKeySteps = kBlockN / 16;               // of dQ
+  constexpr int kConsumerWarps = 8;
+  static_assert(sizeof(T) == 2, "fp16 / bf16");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole swizzle atoms; dK and dV fit the registers up to 128");
+  static_assert(kStages >= 1, "at least one Q/dO slot");
+  static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 65536 / 384 / 8 * 8 * 3, "the CTA's registers");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Swizzled tiles start on 1024-byte boundaries (the launch asks for 1 KiB more).
+  const unsigned sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const unsigned sV = sK + kKBytes;
+  const unsigned sQ = sV + kKBytes;                 // kStages slots: Q, then dO
+  const unsigned sDs = sQ + kStages * kSlotBytes;   // two dSᵀ buffers
+  const unsigned sRows = sDs + 2 * kDsBytes;        // kStages slots: 64 LSE (log2), then 64 D
+  const unsigned bars = sRows + kStages * kRowsBytes;
+  const unsigned kv_full = bars;
+  auto full = [&](int s) { return bars + 8u * (1 + s); };
+  auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+
+  const int tid = threadIdx.x;
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int lane = tid % 32;
+  const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, q_row0 = 0, k_row0 = 0;
+  if constexpr (kVarlen) {
+    q_row0 = p.cu_seqlens_q[b];
+    k_row0 = p.cu_seqlens_k[b];
+    seqlen_q = p.cu_seqlens_q[b + 1] - q_row0;
+    seqlen_k = p.cu_seqlens_k[b + 1] - k_row0;
+    if (n0 >= seqlen_k) return;  // a sequence shorter than the grid: the whole CTA leaves
+  }
+  const int left = p.window_left, right = p.window_right;
+  // The tiles: for each query head of the group, the query blocks from the one holding the first
+  // query that sees this key block up to the last such query.
+  int m_lo, m_hi;
+  query_rows(n0, min(n0 + kBlockN, seqlen_k), seqlen_q, seqlen_k, left, right, m_lo, m_hi);
+  const int m_first = (m_lo / kBlockM) * kBlockM;
+  const int m_count = m_hi > m_lo ? (m_hi - m_first + kBlockM - 1) / kBlockM : 0;
+  const int tiles = m_count * p.group;
+  auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
+  auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
+
+  if (tid == 0) {
+    mbarrier_init(kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full(s), 2);  // the TMA thread (with the bytes) and warp 1 (LSE and D)
+      mbarrier_init(empty(s), kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<kProducerRegisters>();
+    const int warp = tid / 32;
+    // Slot t % kStages is free once the consumers released its previous use, tile t - kStages.
+    auto wait_slot = [&](int t) {
+      if (t >= kStages) mbarrier_wait(empty(t % kStages), (t / kStages - 1) & 1);
+    };
+    if (warp == 0 && lane == 0 && tiles > 0) {
+      auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int col, int head, int row) {
+        if constexpr (kVarlen) {
+          tma_load_3d(dst, map, bar, col, head, row);
+        } else {
+          tma_load_4d(dst, map, bar, col, head, row, b);
+        }
+      };
+      mbarrier_arrive_expect_tx(kv_full, 2 * kKBytes);
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a) {
+        load(sK + a * kBlockN * 128, &p.k_map, kv_full, 64 * a, h_kv, k_row0 + n0);
+        load(sV + a * kBlockN * 128, &p.v_map, kv_full, 64 * a, h_kv, k_row0 + n0);
+      }
+#pragma unroll 1
+      for (int t = 0; t < tiles; ++t) {
+        wait_slot(t);
+        const int s = t % kStages, hq = tile_head(t), row = q_row0 + tile_m0(t);
+        const unsigned slot = sQ + s * kSlotBytes;
+        mbarrier_arrive_expect_tx(full(s), kSlotBytes);
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a) {
+          load(slot + a * kBlockM * 128, &p.q_map, full(s), 64 * a, hq, row);
+          load(slot + kQBytes + a * kBlockM * 128, &p.do_map, full(s), 64 * a, hq, row);
+        }
+      }
+    } else if (warp == 1) {
+      constexpr float kLog2e = 1.4426950408889634f;
+      const float* lse = p.lse + (kVarlen ? q_row0 : b * p.lse_stride_b);
+      const float* delta = p.delta + (kVarlen ? q_row0 : b * p.delta_stride_b);
+#pragma unroll 1
+      for (int t = 0; t < tiles; ++t) {
+        wait_slot(t);
+        const int s = t % kStages, hq = tile_head(t), m0 = tile_m0(t);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = lane + 32 * half, i = m0 + r;
+          const bool valid = i < seqlen_q;  // rows past seqlen_q are masked; 0 keeps them finite
+          st_shared_b32(sRows + s * kRowsBytes + 4 * r,
+                        __float_as_uint(valid ? lse[hq * p.lse_stride_h + i] * kLog2e : 0.f));
+          st_shared_b32(sRows + s * kRowsBytes + 4 * (kBlockM + r),
+                        __float_as_uint(valid ? delta[hq * p.delta_stride_h + i] : 0.f));
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(full(s));
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<kConsumerRegisters>();
+  const int wg = warpgroup - 1;                                // which 64 keys of the block
+  const int key_in_wg = 16 * (tid % 128 / 32) + lane / 4;      // this thread's keys: key_in_wg and + 8
+  // Descriptors (128-byte swizzle). K-major: K and V rows of this warpgroup as A (atoms kBlockN
+  // rows apart), Q and dO as B (atoms kBlockM rows apart); a k16 step over the head dim moves 32
+  // bytes in an atom, or to the next atom every 4 steps. MN-major (LBO: the next atom across N or
+  // M, SBO: 8 rows of 128 bytes): Q and dO as B of dK and dV, dSᵀ as A and K as B of dQ; a k16
+  // step is 16 rows, 2048 bytes.
+  const unsigned long long desc_k = smem_descriptor_sw128(sK + wg * 64 * 128, 16, 1024);
+  const unsigned long long desc_v = smem_descriptor_sw128(sV + wg * 64 * 128, 16, 1024);
+  const unsigned long long desc_q = smem_descriptor_sw128(sQ, 16, 1024);
+  const unsigned long long desc_q_mn = smem_descriptor_sw128(sQ, kBlockM * 128, 1024);
+  const unsigned long long desc_ds = smem_descriptor_sw128(sDs, kDsBytes, 1024);
+  const unsigned long long desc_k_mn = smem_descriptor_sw128(sK, kBlockN * 128, 1024);
+  auto head_step = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
+  auto arrive = [&](unsigned bar) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+
+  float dk[kDAcc], dv[kDAcc];
+#pragma unroll
+  for (int i = 0; i < kDAcc; ++i) dk[i] = dv[i] = 0.f;
+  const int offset = seqlen_k - seqlen_q;
+  if (tiles > 0) mbarrier_wait(kv_full, 0);
+
+#pragma unroll 1
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % kStages, hq = tile_head(t), m0 = tile_m0(t);
+    const unsigned slot_q = (s * kSlotBytes) >> 4, slot_do = (s * kSlotBytes + kQBytes) >> 4;  // descriptor units
+    mbarrier_wait(full(s), (t / kStages) & 1);
+
+    float st[kSAcc], dpt[kSAcc];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadSteps; ++kk) {
+      Wgmma<T, kBlockM>::ss(st, desc_k + head_step(kk, kBlockN), desc_q + slot_q + head_step(kk, kBlockM), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kHeadSteps; ++kk) {
+      Wgmma<T, kBlockM>::ss(dpt, desc_v + head_step(kk, kBlockN), desc_q + slot_do + head_step(kk, kBlockM), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(st);
+    pin_registers(dpt);
+
+    // Pᵀ and dSᵀ in place: accumulator 4 nt + 2 hf + e holds key j = n0 + 64 wg + key_in_wg + 8 hf,
+    // query i = m0 + 8 nt + 2 (lane % 4) + e.
+    const unsigned rows = sRows + s * kRowsBytes;
+    const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
+                          (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
+                          (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
+    // (called with a constant, inlined: each call site compiles its own loop)
+    auto softmax_gradient = [&](bool masked) {
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+        const int il = 8 * nt + 2 * (lane % 4);
+        const float lse2[2] = {__uint_as_float(ld_shared_b32(rows + 4 * il)),
+                               __uint_as_float(ld_shared_b32(rows + 4 * il + 4))};
+        const float delta2[2] = {__uint_as_float(ld_shared_b32(rows + 4 * (kBlockM + il))),
+                                 __uint_as_float(ld_shared_b32(rows + 4 * (kBlockM + il) + 4))};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int idx = 4 * nt + r, e = r % 2;
+          bool visible = true;
+          if (masked) {
+            const int j = n0 + 64 * wg + key_in_wg + 8 * (r / 2), i = m0 + il + e;
+            visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
+                      (right < 0 || j <= i + offset + right);
+          }
+          float x = st[idx], dtanh = 1.f;
+          if constexpr (kSoftcap) {
+            x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
+            const float th = x / p.softcap;
+            dtanh = 1.f - th * th;
+          }
+          const float pe = visible ? ex2(fmaf(x, p.scale_log2, -lse2[e])) : 0.f;
+          st[idx] = pe;
+          dpt[idx] = pe * (dpt[idx] - delta2[e]) * dtanh;
+        }
+      }
+    };
+    if (interior) {
+      softmax_gradient(false);
+    } else {
+      softmax_gradient(true);
+    }
+
+    // Packed as A operands (k16 step kk: accumulators 8 kk .. 8 kk + 7, queries 16 kk ..); dSᵀ also
+    // into this tile's buffer, row = key (this warpgroup's 64), 128-byte swizzle.
+    unsigned pa[kQuerySteps][4], dsa[kQuerySteps][4];
+    const unsigned ds_buf = sDs + (t % 2) * kDsBytes;
+#pragma unroll
+    for (int kk = 0; kk < kQuerySteps; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pa[kk][r] = pack2<T>(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
+        dsa[kk][r] = pack2<T>(dpt[8 * kk + 2 * r], dpt[8 * kk + 2 * r + 1]);
+        const int row = 64 * wg + key_in_wg + 8 * (r % 2), chunk = 2 * kk + r / 2;  // 16-byte chunk = 8 queries
+        st_shared_b32(ds_buf + row * 128 + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4, dsa[kk][r]);
+      }
+    wgmma_fence();  // Pᵀ and dSᵀ were written by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < kQuerySteps; ++kk) {
+      Wgmma<T, kHeadDim>::rs_b_mn_major(dv, pa[kk], desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQuerySteps; ++kk) {
+      Wgmma<T, kHeadDim>::rs_b_mn_major(dk, dsa[kk], desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
+    }
+    wgmma_commit();
+    fence_proxy_async_shared();  // this thread's dSᵀ stores, before the other warpgroup's dQ reads them
+    named_barrier_sync(kBwdDsBarrier, 256);
+    // dV and dK done: the slot's Q and dO are free, and so are the A registers (Pᵀ, dSᵀ), for dQ's
+    // accumulators.
+    wgmma_wait<0>();
+    pin_registers(dk);
+    pin_registers(dv);
+    arrive(empty(s));
+    if (wg == t % 2) {  // the warpgroups take turns with dQ
+      float dq[kDAcc];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeySteps; ++kk) {
+        Wgmma<T, kHeadDim>::ss_mn_major(dq, desc_ds + (((t % 2) * kDsBytes + kk * 2048) >> 4),
+                                        desc_k_mn + ((kk * 2048) >> 4), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin_registers(dq);
+      // dQ rows 16 (warp) + lane / 4 (+ 8) of the tile, two columns per reduction.
+      float* dq_head = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s +
+                       hq * p.dq_accum_stride_h;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = m0 + key_in_wg + 8 * hf;  // (key_in_wg is also the row within 64 queries)
+        if (i < seqlen_q) {
+          float* dq_row = dq_head + i * p.dq_accum_stride_s + 2 * (lane % 4);
+#pragma unroll
+          for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+            if (8 * nt < p.headdim) {
+              atomic_add_f32x2(dq_row + 8 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // dK (times the scale) and dV of this thread's keys, straight from the accumulators.
+  T* dk_out = static_cast<T*>(p.dk) + (kVarlen ? k_row0 * p.dk_stride_s : b * p.dk_stride_b) + h_kv * p.dk_stride_h;
+  T* dv_out = static_cast<T*>(p.dv) + (kVarlen ? k_row0 * p.dv_stride_s : b * p.dv_stride_b) + h_kv * p.dv_stride_h;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int j = n0 + 64 * wg + key_in_wg + 8 * hf;
+    if (j >= seqlen_k) continue;
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      const int c = 8 * nt + 2 * (lane % 4);
+      if (c < p.headdim) {
+        *reinterpret_cast<unsigned*>(dk_out + j * p.dk_stride_s + c) =
+            pack2<T>(dk[4 * nt + 2 * hf] * p.scale, dk[4 * nt + 2 * hf + 1] * p.scale);
+        *reinterpret_cast<unsigned*>(dv_out + j * p.dv_stride_s + c) = pack2<T>(dv[4 * nt + 2 * hf], dv[4 * nt + 2 * hf + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

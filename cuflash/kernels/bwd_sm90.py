@@ -1,0 +1,131 @@
+"""bwd_sm90: the Hopper backward (cuda_src/bwd_sm90.cu): a TMA producer and two wgmma consumer
+warpgroups of 64 keys each, for compute capability 9.0 (compiled for sm_90a). It shares bwd_sm80's
+preprocess (delta), workspace (delta, the float32 dQ buffer) and dQ conversion; head dims up to 128,
+dense and varlen, causal, window, softcap, GQA. Deterministic gradients and larger head dims are
+bwd_sm80's (dispatch falls back to it)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import tma
+from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool
+from .bwd_sm80 import accumulator_headdim, convert_dq, prepare, workspace
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .fwd_sm90 import SMEM_LIMIT, check_loadable, tensor_map
+
+HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
+BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's
+THREADS = 384  # producer and two consumer warpgroups
+# Q/dO slots in the ring, per compiled head dim.
+STAGES = {64: 2, 128: 2}
+
+_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do")]
+           + [(name, np.uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
+           + [(f"{t}_stride_{d}", np.int64) for t in ("dk", "dv") for d in ("b", "s", "h")]
+           + [(f"{t}_stride_{d}", np.int64) for t in ("lse", "delta") for d in ("b", "h")]
+           + [("dq_accum_stride_s", np.int64)]
+           + [(name, np.int32) for name in ("dq_accum_stride_h", "seqlen_q", "seqlen_k", "group", "headdim",
+                                            "window_left", "window_right")]
+           + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")])
+# The kernel's BwdSm90Params, field for field (its size padded to the maps' 64-byte alignment).
+BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 704})
+assert BWD_SM90_PARAMS.fields["softcap"][1] == 696, "keep in step with BwdSm90Params"
+PARAMS_BYTES = np.dtype((np.void, BWD_SM90_PARAMS.itemsize))
+
+
+def smem_bytes(headdim: int, stages: int) -> int:
+    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D, two dSᵀ buffers
+    (BLOCK_N x BLOCK_M), the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
+    row = headdim * ELEMENT_BYTES
+    return (2 * BLOCK_N * row + stages * (2 * BLOCK_M * row + 2 * BLOCK_M * 4) + 2 * BLOCK_N * BLOCK_M * ELEMENT_BYTES
+            + 8 * (1 + 2 * stages) + 1024)
+
+
+@dataclass(frozen=True)
+class BwdSm90Variant(Variant):
+    family = "bwd_sm90"
+    source = "bwd_sm90.cu"
+    template = "cuflash::bwd_sm90"
+
+    dtype: str
+    headdim: int  # compiled (padded) head dim
+    stages: int
+    varlen: bool
+    softcap: bool
+
+    def check(self) -> None:
+        if self.dtype not in CXX_TYPES:
+            raise ValueError(f"bwd_sm90: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
+        if self.headdim not in HEADDIMS:
+            raise ValueError(f"bwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
+        if self.stages < 1 or self.dynamic_shared_bytes > SMEM_LIMIT:
+            raise ValueError(f"bwd_sm90: stages={self.stages} must be at least 1 and fit {SMEM_LIMIT} bytes of "
+                             f"shared memory (needs {self.dynamic_shared_bytes})")
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        return smem_bytes(self.headdim, self.stages)
+
+    def template_args(self) -> tuple[str, ...]:
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.stages), cxx_bool(self.varlen),
+                cxx_bool(self.softcap))
+
+
+def variants_for(compute_capability: tuple[int, int]) -> tuple[BwdSm90Variant, ...]:
+    return tuple(BwdSm90Variant(dtype, hd, STAGES[hd], varlen, softcap) for dtype in sorted(CXX_TYPES)
+                 for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True))
+
+
+def select(problem, inputs) -> BwdSm90Variant:
+    if problem.deterministic:
+        raise ValueError("bwd_sm90 adds dQ in no fixed order: deterministic=True runs on bwd_sm80")
+    check_headdim("bwd_sm90", problem.headdim, HEADDIMS[-1])
+    check_loadable("bwd_sm90", problem, inputs, ("q", "k", "v", "dout"))
+    check_grid_yz("bwd_sm90", problem.nheads_kv, problem.batch)
+    headdim = compiled_headdim(problem.headdim, HEADDIMS)
+    return BwdSm90Variant(problem.dtype, headdim, STAGES[headdim], problem.varlen, problem.softcap > 0)
+
+
+def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
+    if not prepare(problem, inputs, outputs, stream):
+        return
+    q, k, v, dout, lse = (inputs[n] for n in ("q", "k", "v", "dout", "lse"))
+    dk, dv, delta, dq_accum = (outputs[n] for n in ("dk", "dv", "delta", "dq_accum"))
+    accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
+    params = np.empty(1, BWD_SM90_PARAMS)
+    params[0] = (tensor_map(problem, q, problem.nheads, BLOCK_M), tensor_map(problem, k, problem.nheads_kv, BLOCK_N),
+                 tensor_map(problem, v, problem.nheads_kv, BLOCK_N), tensor_map(problem, dout, problem.nheads, BLOCK_M),
+                 lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr,
+                 *((inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr) if problem.varlen else (0, 0)),
+                 *token_strides(problem, dk), *token_strides(problem, dv), *row_strides(problem, lse),
+                 *row_strides(problem, delta), problem.nheads * accum_headdim, accum_headdim, problem.seqlen_q,
+                 problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
+                 problem.softmax_scale, *softmax_constants(problem))
+    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
+    with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
+        function(grid, (THREADS,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+    convert_dq(problem, outputs, stream)
+
+
+FAMILY = Family(
+    name="bwd_sm90",
+    backend="sm90",
+    ops=("attention_backward", "attention_varlen_backward"),
+    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by float32 "
+                "reductions (sm_90a)",
+    min_compute_capability=(9, 0),
+    max_compute_capability=(9, 0),
+    variants_for=variants_for,
+    select=select,
+    launch=launch,
+    workspace=workspace,
+    max_headdim=HEADDIMS[-1],
+    deterministic=False,
+)
