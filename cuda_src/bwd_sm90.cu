@@ -6,10 +6,14 @@
 // keys as wgmma's M, so that Pᵀ and dSᵀ come out of the accumulators in the layout of a register A
 // operand. Three warpgroups:
 //   warpgroup 0   producer (setmaxnreg down). Thread 0 loads K and V once, then each query tile's
-//                 Q and dO by TMA into a kStages-deep ring (128-byte swizzle, zero fill out of
-//                 bounds); warp 1 copies the tile's LSE (times log2 e) and D = rowsum(dO ∘ O) into
-//                 the same slot with ordinary loads. Both arrive on the slot's "full" mbarrier; the
-//                 consumers' warps arrive on its "empty" one when done with it.
+//                 Q and dO (128-byte swizzle, zero fill out of bounds) and its 64 LSE and D =
+//                 rowsum(dO ∘ O) values (rank-1 maps over the whole lse and delta arrays: rows past
+//                 the sequence read the next ones', which the mask discards; a box starts on a
+//                 16-byte boundary, so it holds up to 3 values before the tile's first) by TMA into a
+//                 kStages-deep ring, completing on the slot's "full" mbarrier; the consumers'
+//                 warps arrive on its "empty" one when done with it. With kDqBuffers > 0 warp 1
+//                 adds each tile's dQ, staged in shared memory by a consumer, to the float32 dQ
+//                 buffer with bulk reductions (cp.reduce.async.bulk, one per query row).
 //   warpgroups 1, 2  consumers, 64 keys each (setmaxnreg up), per query tile:
 //     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   wgmma SS, both operands K-major (M = 64 keys, N = 64 queries)
 //     Pᵀ = exp2(Sᵀ scale log2 e - LSE log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) with softcap),
@@ -20,9 +24,13 @@
 //                              128-byte swizzle; a named barrier between the two warpgroups
 //     dQ = dS K                wgmma SS with both operands MN-major (dS from dSᵀ, K as loaded;
 //                              M = 64 queries, N = head dim, K = 128 keys), issued by one warpgroup,
-//                              the two taking turns tile by tile; added to the float32 dQ buffer
-//                              with two-float reductions (times the softmax scale).
+//                              the two taking turns tile by tile, times the softmax scale: staged
+//                              in shared memory for the producer's warp 1 to add (kDqBuffers > 0), or
+//                              added by the consumer itself with two-float reductions (0).
 // dSᵀ has two buffers: a warpgroup writes tile t's while the other may still run tile t-1's dQ.
+// dQ's staging has kDqBuffers (tile t uses t % kDqBuffers; "dq_full" when staged, "dq_empty" once
+// warp 1's reductions have read it): a consumer stages tile t's after the reductions of tile
+// t - kDqBuffers have read theirs.
 // dK (times the softmax scale) and dV are stored from the accumulators at the end. Keys past
 // seqlen_k and queries past seqlen_q come back from TMA as zeros (dense) or as the next sequence's
 // rows (varlen): masked, never stored. Head-dim columns past `headdim` are zero-filled by TMA.
@@ -35,8 +43,10 @@ namespace cuflash {
 // BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py.
 struct BwdSm90Params {
   TmaMap q_map, k_map, v_map, do_map;  // dense: rank 4 {dim, heads, seqlen, batch}; varlen: rank 3 {dim, heads, total}
-  const float* lse;    // dense (batch, heads, seqlen_q), varlen (heads, total_q); natural log
-  const float* delta;  // rowsum(dout * out), laid out like lse
+  // Rank 1 over lse (natural log; dense (batch, heads, seqlen_q), varlen (heads, total_q), unit
+  // stride along the rows) and delta (rowsum(dout * out), laid out like lse): element
+  // b * stride_b + h * stride_h + row.
+  TmaMap lse_map, delta_map;
   float* dq_accum;     // (rows of all sequences, heads, dq_accum_stride_h) float32, zeroed
   void* dk;
   void* dv;
@@ -55,11 +65,11 @@ struct BwdSm90Params {
   float softcap_exp2_scale;
   float softcap;
 };
-static_assert(sizeof(BwdSm90Params) == 704, "BwdSm90Params must match BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py");
+static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params must match BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py");
 
 constexpr int kBwdDsBarrier = 1;  // named barrier: both consumers' dSᵀ are in shared memory
 
-template <typename T, int kHeadDim, int kStages, bool kVarlen, bool kSoftcap>
+template <typename T, int kHeadDim, int kStages, int kDqBuffers, bool kVarlen, bool kSoftcap>
 __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm90Params p) {
   constexpr int kBlockM = 64, kBlockN = 128;     // queries per tile, keys per CTA (64 per consumer)
   constexpr int kAtoms = kHeadDim / 64;          // 128-byte swizzle rows across the head dim
@@ -67,7 +77,14 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   constexpr unsigned kQBytes = kBlockM * kAtoms * 128;  // Q, or dO, of one slot
   constexpr unsigned kSlotBytes = 2 * kQBytes;          // a slot: Q, then dO
   constexpr unsigned kDsBytes = kBlockN * 128;          // a dSᵀ buffer: 128 keys x 64 queries
-  constexpr unsigned kRowsBytes = 2 * kBlockM * 4;      // a slot's LSE (log2) and D
+  // A slot's LSE box, then D's: kBlockM values from the 16-byte boundary at or before the first,
+  // each box on a 128-byte boundary (TMA's rule for shared memory).
+  constexpr int kRowsBox = kBlockM + 4;
+  constexpr unsigned kRowsBoxBytes = (kRowsBox * 4 + 127) / 128 * 128;
+  constexpr unsigned kRowsBytes = 2 * kRowsBoxBytes;
+  // dQ's staging rows, padded by 8 floats: the 8 rows a warp stores at once then start in
+  // different bank groups.
+  constexpr unsigned kDqRowBytes = (kHeadDim + 8) * 4;
   constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   constexpr int kDAcc = kHeadDim / 2;                   // dK, dV, dQ accumulators per thread
   constexpr int kSAcc = kBlockM / 2;                    // Sᵀ, dPᵀ accumulators per thread
@@ -78,6 +95,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   static_assert(sizeof(T) == 2, "fp16 / bf16");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole swizzle atoms; dK and dV fit the registers up to 128");
   static_assert(kStages >= 1, "at least one Q/dO slot");
+  static_assert(kDqBuffers >= 0 && kDqBuffers <= 2, "dQ staged in one or two buffers, or not at all");
   static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 65536 / 384 / 8 * 8 * 3, "the CTA's registers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -86,11 +104,14 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const unsigned sV = sK + kKBytes;
   const unsigned sQ = sV + kKBytes;                 // kStages slots: Q, then dO
   const unsigned sDs = sQ + kStages * kSlotBytes;   // two dSᵀ buffers
-  const unsigned sRows = sDs + 2 * kDsBytes;        // kStages slots: 64 LSE (log2), then 64 D
-  const unsigned bars = sRows + kStages * kRowsBytes;
+  const unsigned sRows = sDs + 2 * kDsBytes;        // kStages slots: LSE, then D (kRowsBox each)
+  const unsigned sDq = sRows + kStages * kRowsBytes;  // kDqBuffers x kBlockM rows of kDqRowBytes
+  const unsigned bars = sDq + kDqBuffers * kBlockM * kDqRowBytes;
   const unsigned kv_full = bars;
   auto full = [&](int s) { return bars + 8u * (1 + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+  auto dq_full = [&](int buffer) { return bars + 8u * (1 + 2 * kStages + buffer); };
+  auto dq_empty = [&](int buffer) { return bars + 8u * (1 + 2 * kStages + kDqBuffers + buffer); };
 
   const int tid = threadIdx.x;
   const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
@@ -115,13 +136,22 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const int tiles = m_count * p.group;
   auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
+  // Where row m0 of query head hq is in lse or delta (given their strides), as the rank-1 maps index it.
+  auto row_index = [&](long long stride_b, long long stride_h, int hq, int m0) {
+    return static_cast<int>((kVarlen ? q_row0 : b * stride_b) + hq * stride_h + m0);
+  };
 
   if (tid == 0) {
     mbarrier_init(kv_full, 1);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full(s), 2);  // the TMA thread (with the bytes) and warp 1 (LSE and D)
+      mbarrier_init(full(s), 1);
       mbarrier_init(empty(s), kConsumerWarps);
+    }
+#pragma unroll
+    for (int buffer = 0; buffer < kDqBuffers; ++buffer) {
+      mbarrier_init(dq_full(buffer), 4);   // the warps of the consumer whose turn it was
+      mbarrier_init(dq_empty(buffer), 1);  // warp 1, once its reductions have read the staged dQ
     }
     fence_barrier_init();
   }
@@ -131,10 +161,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<kProducerRegisters>();
     const int warp = tid / 32;
-    // Slot t % kStages is free once the consumers released its previous use, tile t - kStages.
-    auto wait_slot = [&](int t) {
-      if (t >= kStages) mbarrier_wait(empty(t % kStages), (t / kStages - 1) & 1);
-    };
     if (warp == 0 && lane == 0 && tiles > 0) {
       auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int col, int head, int row) {
         if constexpr (kVarlen) {
@@ -151,36 +177,39 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
       }
 #pragma unroll 1
       for (int t = 0; t < tiles; ++t) {
-        wait_slot(t);
-        const int s = t % kStages, hq = tile_head(t), row = q_row0 + tile_m0(t);
-        const unsigned slot = sQ + s * kSlotBytes;
-        mbarrier_arrive_expect_tx(full(s), kSlotBytes);
+        const int s = t % kStages, hq = tile_head(t), m0 = tile_m0(t);
+        // Slot s is free once the consumers released its previous use, tile t - kStages.
+        if (t >= kStages) mbarrier_wait(empty(s), (t / kStages - 1) & 1);
+        const unsigned slot = sQ + s * kSlotBytes, rows = sRows + s * kRowsBytes;
+        mbarrier_arrive_expect_tx(full(s), kSlotBytes + 2 * kRowsBox * 4);  // Q, dO and both boxes' bytes
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
-          load(slot + a * kBlockM * 128, &p.q_map, full(s), 64 * a, hq, row);
-          load(slot + kQBytes + a * kBlockM * 128, &p.do_map, full(s), 64 * a, hq, row);
+          load(slot + a * kBlockM * 128, &p.q_map, full(s), 64 * a, hq, q_row0 + m0);
+          load(slot + kQBytes + a * kBlockM * 128, &p.do_map, full(s), 64 * a, hq, q_row0 + m0);
         }
+        tma_load_1d(rows, &p.lse_map, full(s), row_index(p.lse_stride_b, p.lse_stride_h, hq, m0) & ~3);
+        tma_load_1d(rows + kRowsBoxBytes, &p.delta_map, full(s), row_index(p.delta_stride_b, p.delta_stride_h, hq, m0) & ~3);
       }
-    } else if (warp == 1) {
-      constexpr float kLog2e = 1.4426950408889634f;
-      const float* lse = p.lse + (kVarlen ? q_row0 : b * p.lse_stride_b);
-      const float* delta = p.delta + (kVarlen ? q_row0 : b * p.delta_stride_b);
+    } else if (kDqBuffers > 0 && warp == 1) {
+      float* dq_accum = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s;
 #pragma unroll 1
       for (int t = 0; t < tiles; ++t) {
-        wait_slot(t);
-        const int s = t % kStages, hq = tile_head(t), m0 = tile_m0(t);
+        const int buffer = t % kDqBuffers, hq = tile_head(t), m0 = tile_m0(t);
+        mbarrier_wait(dq_full(buffer), (t / kDqBuffers) & 1);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = lane + 32 * half, i = m0 + r;
-          const bool valid = i < seqlen_q;  // rows past seqlen_q are masked; 0 keeps them finite
-          st_shared_b32(sRows + s * kRowsBytes + 4 * r,
-                        __float_as_uint(valid ? lse[hq * p.lse_stride_h + i] * kLog2e : 0.f));
-          st_shared_b32(sRows + s * kRowsBytes + 4 * (kBlockM + r),
-                        __float_as_uint(valid ? delta[hq * p.delta_stride_h + i] : 0.f));
+          if (i < seqlen_q) {
+            bulk_reduce_add_f32(dq_accum + i * p.dq_accum_stride_s + hq * p.dq_accum_stride_h,
+                                sDq + (buffer * kBlockM + r) * kDqRowBytes, 4 * p.headdim);
+          }
         }
+        bulk_commit();
+        bulk_wait_read<0>();
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(full(s));
+        if (lane == 0) mbarrier_arrive(dq_empty(buffer));
       }
+      bulk_wait<0>();  // the additions are complete before the kernel ends
     }
     return;
   }
@@ -210,6 +239,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
 #pragma unroll
   for (int i = 0; i < kDAcc; ++i) dk[i] = dv[i] = 0.f;
   const int offset = seqlen_k - seqlen_q;
+  constexpr float kLog2e = 1.4426950408889634f;
   if (tiles > 0) mbarrier_wait(kv_full, 0);
 
 #pragma unroll 1
@@ -236,7 +266,10 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
 
     // Pᵀ and dSᵀ in place: accumulator 4 nt + 2 hf + e holds key j = n0 + 64 wg + key_in_wg + 8 hf,
     // query i = m0 + 8 nt + 2 (lane % 4) + e.
-    const unsigned rows = sRows + s * kRowsBytes;
+    // This tile's first LSE and D values in their boxes (which start on 16-byte boundaries).
+    const unsigned lse_rows = sRows + s * kRowsBytes + 4 * (row_index(p.lse_stride_b, p.lse_stride_h, hq, m0) & 3);
+    const unsigned delta_rows =
+        sRows + s * kRowsBytes + kRowsBoxBytes + 4 * (row_index(p.delta_stride_b, p.delta_stride_h, hq, m0) & 3);
     const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
                           (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
                           (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
@@ -245,10 +278,10 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
 #pragma unroll
       for (int nt = 0; nt < kBlockM / 8; ++nt) {
         const int il = 8 * nt + 2 * (lane % 4);
-        const float lse2[2] = {__uint_as_float(ld_shared_b32(rows + 4 * il)),
-                               __uint_as_float(ld_shared_b32(rows + 4 * il + 4))};
-        const float delta2[2] = {__uint_as_float(ld_shared_b32(rows + 4 * (kBlockM + il))),
-                                 __uint_as_float(ld_shared_b32(rows + 4 * (kBlockM + il) + 4))};
+        const float lse2[2] = {__uint_as_float(ld_shared_b32(lse_rows + 4 * il)) * kLog2e,
+                               __uint_as_float(ld_shared_b32(lse_rows + 4 * il + 4)) * kLog2e};
+        const float delta2[2] = {__uint_as_float(ld_shared_b32(delta_rows + 4 * il)),
+                                 __uint_as_float(ld_shared_b32(delta_rows + 4 * il + 4))};
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int idx = 4 * nt + r, e = r % 2;
@@ -318,18 +351,35 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
       wgmma_commit();
       wgmma_wait<0>();
       pin_registers(dq);
-      // dQ rows 16 (warp) + lane / 4 (+ 8) of the tile, two columns per reduction.
-      float* dq_head = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s +
-                       hq * p.dq_accum_stride_h;
+      // Rows 16 (warp) + lane / 4 (+ 8) of the tile (key_in_wg is also this thread's query row),
+      // two columns per store or reduction.
+      if constexpr (kDqBuffers > 0) {
+        // Staged once warp 1 has read what tile t - kDqBuffers staged in the same buffer.
+        const int buffer = t % kDqBuffers;
+        if (t >= kDqBuffers) mbarrier_wait(dq_empty(buffer), (t / kDqBuffers - 1) & 1);
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + key_in_wg + 8 * hf;  // (key_in_wg is also the row within 64 queries)
-        if (i < seqlen_q) {
-          float* dq_row = dq_head + i * p.dq_accum_stride_s + 2 * (lane % 4);
+        for (int hf = 0; hf < 2; ++hf) {
+          const unsigned row = sDq + (buffer * kBlockM + key_in_wg + 8 * hf) * kDqRowBytes + 8 * (lane % 4);
 #pragma unroll
           for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-            if (8 * nt < p.headdim) {
-              atomic_add_f32x2(dq_row + 8 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
+            st_shared_v2_f32(row + 32 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
+          }
+        }
+        fence_proxy_async_shared();  // before the async proxy (warp 1's bulk reductions) reads them
+        arrive(dq_full(buffer));
+      } else {
+        float* dq_head = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s +
+                         hq * p.dq_accum_stride_h;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = m0 + key_in_wg + 8 * hf;
+          if (i < seqlen_q) {
+            float* dq_row = dq_head + i * p.dq_accum_stride_s + 2 * (lane % 4);
+#pragma unroll
+            for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+              if (8 * nt < p.headdim) {
+                atomic_add_f32x2(dq_row + 8 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
+              }
             }
           }
         }

@@ -9,8 +9,8 @@ from functools import lru_cache
 import numpy as np
 
 # CUtensorMapDataType
-DATA_TYPES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0}  # e4m3 as UINT8: TMA only moves bytes
-SWIZZLE_128B = 3
+DATA_TYPES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0, "float32": 7}  # e4m3 as UINT8: TMA only moves bytes
+SWIZZLE_NONE, SWIZZLE_128B = 0, 3
 L2_PROMOTION_256B = 3
 MAP_BYTES = 128
 MAX_STRIDE_BYTES = 1 << 40  # globalStrides[i] < 2^40
@@ -44,9 +44,9 @@ _scratch_lock = threading.Lock()
 
 @lru_cache(maxsize=1024)
 def encode_tiled(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...],
-                 box: tuple[int, ...]) -> bytes:
-    """A tiled, 128-byte-swizzled tensor map over `dims` (innermost first, elements) with strides
-    (bytes, one per outer dim) and box `box`; out-of-bounds elements load as zeros.
+                 box: tuple[int, ...], swizzle: int = SWIZZLE_128B) -> bytes:
+    """A tiled tensor map over `dims` (innermost first, elements) with strides (bytes, one per outer
+    dim) and box `box`, 128-byte swizzled (or SWIZZLE_NONE); out-of-bounds elements load as zeros.
 
     Cached on every input: a map holds nothing but these, so the same address and layout (CuPy's
     pool hands addresses out again) reuse the same 128 bytes."""
@@ -57,7 +57,7 @@ def encode_tiled(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tup
     with _scratch_lock:
         status = fn(_scratch.ctypes.data + _scratch_offset, DATA_TYPES[dtype], rank, ptr, (u64 * rank)(*dims),
                     (u64 * (rank - 1))(*strides_bytes), (u32 * rank)(*box), (u32 * rank)(*([1] * rank)), 0,
-                    SWIZZLE_128B, L2_PROMOTION_256B, 0)
+                    swizzle, L2_PROMOTION_256B, 0)
         encoded = _scratch[_scratch_offset:_scratch_offset + MAP_BYTES].tobytes()
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for dims {dims}, strides "

@@ -199,6 +199,26 @@ def test_every_tile_row(headdim, tiles, monkeypatch):
         _check(dict(zip(("dq", "dk", "dv"), grads)), ref, low, torch.float16)
 
 
+@pytest.mark.parametrize("headdim, dq_buffers", [(64, 0), (64, 1), (64, 2), (128, 0), (128, 1)])
+def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch):
+    """bwd_sm90's ways of adding dQ (DQ_BUFFERS: the consumers' own reductions, or staged for bulk
+    reductions in one or two buffers), each forced: GQA, a window, ragged tails, more query tiles
+    than Q/dO slots and dQ buffers."""
+    _requires_hopper()
+    from cuflash.kernels import bwd_sm90
+
+    monkeypatch.setitem(bwd_sm90.DQ_BUFFERS, headdim, dq_buffers)
+    monkeypatch.setattr(dispatch, "_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(headdim + dq_buffers)
+    q, dout = (_randn(g, torch.bfloat16, 2, 450, 4, headdim) for _ in range(2))
+    k, v = (_randn(g, torch.bfloat16, 2, 270, 2, headdim) for _ in range(2))
+    kw = dict(causal=True, window=(200, -1), softcap=0.0, softmax_scale=None)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **kw, backend="sm90")
+    _check(dict(zip(("dq", "dk", "dv"), grads)), _grads(q, k, v, dout, torch.float32, kw),
+           _grads(q, k, v, dout, torch.bfloat16, kw), torch.bfloat16)
+
+
 def test_torch_autograd_runs_the_backward_kernel():
     import cuflash.torch as ct
 

@@ -1,4 +1,4 @@
-// PTX wrappers for the sm_90a path: mbarriers, TMA loads, shared-memory matrix descriptors,
+// PTX wrappers for the sm_90a path: mbarriers, TMA loads, bulk reductions, shared-memory matrix descriptors,
 // wgmma fences and waits, setmaxnreg and named barriers. One wrapper per instruction; the
 // wgmma.mma_async instructions themselves are in wgmma.cuh (generated). Facts and sources behind
 // each one: shared/notes/hopper.md (sections named below).
@@ -94,13 +94,19 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // ---------------------------------------------------------------- TMA (hopper.md section 5)
 
-// One box of a rank-3 or rank-4 tensor map into shared memory; completes on `bar` (transaction
+// One box of a rank-1, rank-3 or rank-4 tensor map into shared memory; completes on `bar` (transaction
 // bytes). Coordinates innermost first, in elements; out-of-bounds elements read as zero.
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
           dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_1d(unsigned dst, const TmaMap* map, unsigned bar, int c0) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c0)
       : "memory");
 }
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2,
@@ -110,6 +116,30 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, uns
       "[%2];\n" ::"r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// dst[i] += src[i] over `bytes` / 4 floats, shared memory to global, by the async proxy: the
+// issuing thread's bulk async-group (commit, then wait .read before reusing src, plain wait before
+// exit). dst and src 16-byte aligned, bytes a multiple of 16; src written by other threads needs
+// their fence_proxy_async_shared() and a barrier first.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk groups have read their sources (all but the newest kPending groups).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// ... and are complete (their writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // ---------------------------------------------------------------- wgmma (hopper.md sections 1-3)

@@ -2,7 +2,8 @@
 warpgroups of 64 keys each, for compute capability 9.0 (compiled for sm_90a). It shares bwd_sm80's
 preprocess (delta), workspace (delta, the float32 dQ buffer) and dQ conversion; head dims up to 128,
 dense and varlen, causal, window, softcap, GQA. Deterministic gradients and larger head dims are
-bwd_sm80's (dispatch falls back to it)."""
+bwd_sm80's (dispatch falls back to it). dQ reaches the float32 buffer by bulk reductions
+(cp.reduce.async.bulk) of each tile's rows, not per-thread atomics."""
 from __future__ import annotations
 
 import math
@@ -19,11 +20,19 @@ from .fwd_sm90 import SMEM_LIMIT, check_loadable, tensor_map
 HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
 BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's
 THREADS = 384  # producer and two consumer warpgroups
+# A tile's LSE and D values load by TMA in boxes that start on a 16-byte boundary (the hardware's
+# rule for the innermost coordinate): up to 3 values before the tile's first.
+ROWS_BOX = BLOCK_M + 4
+ROWS_BOX_BYTES = math.ceil(ROWS_BOX * 4 / 128) * 128  # each box on a 128-byte boundary (TMA's rule)
 # Q/dO slots in the ring, per compiled head dim.
 STAGES = {64: 2, 128: 2}
+# How dQ reaches the float32 buffer, per compiled head dim: staged in shared memory (1 or 2 buffers)
+# for the producer's bulk reductions, one per query row, or (0) by the consumer's own two-float
+# reductions. Measured on H100 (benchmarks/NOTES-bwd_sm90.md).
+DQ_BUFFERS = {64: 0, 128: 1}
 
-_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do")]
-           + [(name, np.uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
+_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do", "lse", "delta")]
+           + [(name, np.uint64) for name in ("dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
            + [(f"{t}_stride_{d}", np.int64) for t in ("dk", "dv") for d in ("b", "s", "h")]
            + [(f"{t}_stride_{d}", np.int64) for t in ("lse", "delta") for d in ("b", "h")]
            + [("dq_accum_stride_s", np.int64)]
@@ -31,17 +40,18 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do"
                                             "window_left", "window_right")]
            + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")])
 # The kernel's BwdSm90Params, field for field (its size padded to the maps' 64-byte alignment).
-BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 704})
-assert BWD_SM90_PARAMS.fields["softcap"][1] == 696, "keep in step with BwdSm90Params"
+BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 960})
+assert BWD_SM90_PARAMS.fields["softcap"][1] == 936, "keep in step with BwdSm90Params"
 PARAMS_BYTES = np.dtype((np.void, BWD_SM90_PARAMS.itemsize))
 
 
-def smem_bytes(headdim: int, stages: int) -> int:
-    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D, two dSᵀ buffers
-    (BLOCK_N x BLOCK_M), the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
+def smem_bytes(headdim: int, stages: int, dq_buffers: int) -> int:
+    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D (ROWS_BOX_BYTES each), two dSᵀ buffers
+    (BLOCK_N x BLOCK_M), dQ's float32 staging rows (padded by 8 floats) per buffer, the mbarriers;
+    + 1 KiB to round the base up to 1024 bytes."""
     row = headdim * ELEMENT_BYTES
-    return (2 * BLOCK_N * row + stages * (2 * BLOCK_M * row + 2 * BLOCK_M * 4) + 2 * BLOCK_N * BLOCK_M * ELEMENT_BYTES
-            + 8 * (1 + 2 * stages) + 1024)
+    return (2 * BLOCK_N * row + stages * (2 * BLOCK_M * row + 2 * ROWS_BOX_BYTES) + 2 * BLOCK_N * BLOCK_M * ELEMENT_BYTES
+            + dq_buffers * BLOCK_M * (headdim + 8) * 4 + 8 * (1 + 2 * stages + 2 * dq_buffers) + 1024)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class BwdSm90Variant(Variant):
     dtype: str
     headdim: int  # compiled (padded) head dim
     stages: int
+    dq_buffers: int  # DQ_BUFFERS
     varlen: bool
     softcap: bool
 
@@ -61,9 +72,9 @@ class BwdSm90Variant(Variant):
             raise ValueError(f"bwd_sm90: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"bwd_sm90: headdim {self.headdim} is not one of {HEADDIMS}")
-        if self.stages < 1 or self.dynamic_shared_bytes > SMEM_LIMIT:
-            raise ValueError(f"bwd_sm90: stages={self.stages} must be at least 1 and fit {SMEM_LIMIT} bytes of "
-                             f"shared memory (needs {self.dynamic_shared_bytes})")
+        if self.stages < 1 or self.dq_buffers not in (0, 1, 2) or self.dynamic_shared_bytes > SMEM_LIMIT:
+            raise ValueError(f"bwd_sm90: stages={self.stages} (at least 1) and dq_buffers={self.dq_buffers} (0, 1 "
+                             f"or 2) must fit {SMEM_LIMIT} bytes of shared memory (need {self.dynamic_shared_bytes})")
 
     @property
     def threads(self) -> int:
@@ -71,15 +82,15 @@ class BwdSm90Variant(Variant):
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        return smem_bytes(self.headdim, self.stages)
+        return smem_bytes(self.headdim, self.stages, self.dq_buffers)
 
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.stages), cxx_bool(self.varlen),
-                cxx_bool(self.softcap))
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.stages), str(self.dq_buffers),
+                cxx_bool(self.varlen), cxx_bool(self.softcap))
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[BwdSm90Variant, ...]:
-    return tuple(BwdSm90Variant(dtype, hd, STAGES[hd], varlen, softcap) for dtype in sorted(CXX_TYPES)
+    return tuple(BwdSm90Variant(dtype, hd, STAGES[hd], DQ_BUFFERS[hd], varlen, softcap) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True))
 
 
@@ -88,9 +99,24 @@ def select(problem, inputs) -> BwdSm90Variant:
         raise ValueError("bwd_sm90 adds dQ in no fixed order: deterministic=True runs on bwd_sm80")
     check_headdim("bwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("bwd_sm90", problem, inputs, ("q", "k", "v", "dout"))
+    lse = inputs["lse"]
+    if lse.strides[-1] != 1 or lse.ptr % tma.STRIDE_ALIGN_BYTES or _rows_extent(lse) >= 2**31:
+        raise ValueError(f"bwd_sm90 loads lse with TMA as one row of fewer than 2^31 floats: it needs unit stride "
+                         f"along the queries and a 16-byte aligned start; got strides {lse.strides} at {lse.ptr:#x}")
     check_grid_yz("bwd_sm90", problem.nheads_kv, problem.batch)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
-    return BwdSm90Variant(problem.dtype, headdim, STAGES[headdim], problem.varlen, problem.softcap > 0)
+    return BwdSm90Variant(problem.dtype, headdim, STAGES[headdim], DQ_BUFFERS[headdim], problem.varlen,
+                          problem.softcap > 0)
+
+
+def _rows_extent(array) -> int:
+    """Elements from the first of a per-query-row float32 array (lse, delta) to one past its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(array.shape, array.strides)) if math.prod(array.shape) else 0
+
+
+def _rows_map(array) -> bytes:
+    """A rank-1 TMA map over `array`'s whole extent, boxes of one tile's rows (ROWS_BOX floats)."""
+    return tma.encode_tiled("float32", array.ptr, (_rows_extent(array),), (), (ROWS_BOX,), swizzle=tma.SWIZZLE_NONE)
 
 
 def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
@@ -99,10 +125,12 @@ def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) 
     q, k, v, dout, lse = (inputs[n] for n in ("q", "k", "v", "dout", "lse"))
     dk, dv, delta, dq_accum = (outputs[n] for n in ("dk", "dv", "delta", "dq_accum"))
     accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
+    # TMA and the bulk reductions take 16-byte aligned workspace (every framework's allocator aligns more)
+    assert dq_accum.ptr % 16 == 0 and delta.ptr % 16 == 0, "bwd_sm90's workspace is not 16-byte aligned"
     params = np.empty(1, BWD_SM90_PARAMS)
     params[0] = (tensor_map(problem, q, problem.nheads, BLOCK_M), tensor_map(problem, k, problem.nheads_kv, BLOCK_N),
                  tensor_map(problem, v, problem.nheads_kv, BLOCK_N), tensor_map(problem, dout, problem.nheads, BLOCK_M),
-                 lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr,
+                 _rows_map(lse), _rows_map(delta), dq_accum.ptr, dk.ptr, dv.ptr,
                  *((inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr) if problem.varlen else (0, 0)),
                  *token_strides(problem, dk), *token_strides(problem, dv), *row_strides(problem, lse),
                  *row_strides(problem, delta), problem.nheads * accum_headdim, accum_headdim, problem.seqlen_q,
@@ -118,7 +146,7 @@ FAMILY = Family(
     name="bwd_sm90",
     backend="sm90",
     ops=("attention_backward", "attention_varlen_backward"),
-    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by float32 "
+    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by bulk float32 "
                 "reductions (sm_90a)",
     min_compute_capability=(9, 0),
     max_compute_capability=(9, 0),
