@@ -219,23 +219,28 @@ def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch):
            _grads(q, k, v, dout, torch.bfloat16, kw), torch.bfloat16)
 
 
-def test_torch_autograd_runs_the_backward_kernel():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_torch_autograd_runs_the_backward_kernel(deterministic):
+    """Through autograd: bwd_sm80 (deterministic), and on Hopper bwd_sm90 (the default)."""
     import cuflash.torch as ct
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
-    ct.attention(q, k, v, causal=True, deterministic=True).float().square().sum().backward()
+    ct.attention(q, k, v, causal=True, deterministic=deterministic).float().square().sum().backward()
     want = _grads(q, k, v, 2 * ct.attention(q, k, v, causal=True).detach().float(), torch.float32,
                   dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None))
     for got, w in zip((q.grad, k.grad, v.grad), want):
         assert (got.float() - w).abs().max().item() < 0.05 * w.abs().max().item() + 1e-3
 
 
-def test_torch_cuda_graph_captures_forward_and_backward():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_torch_cuda_graph_captures_forward_and_backward(deterministic):
     """A training step's attention, forward and backward, captured in a CUDA graph: every buffer
     (outputs and workspace) comes from torch's allocator, every launch goes to the capturing
-    stream. A replay on new inputs equals an eager step bit for bit (deterministic backward)."""
+    stream. A replay on new inputs equals an eager step: bit for bit with the deterministic backward
+    (bwd_sm80), within a rounding of the order dq's parts are added in otherwise (bwd_sm90 on
+    Hopper, whose TMA descriptors the graph holds by value)."""
     import cuflash.torch as ct
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -246,7 +251,7 @@ def test_torch_cuda_graph_captures_forward_and_backward():
     def step():
         for x in (q, k, v):
             x.grad = None
-        out = ct.attention(q, k, v, causal=True, deterministic=True)
+        out = ct.attention(q, k, v, causal=True, deterministic=deterministic)
         out.backward(dout)
         return out
 
@@ -266,7 +271,10 @@ def test_torch_cuda_graph_captures_forward_and_backward():
     captured = [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
     eager = step()
     for got, want in zip(captured, [eager] + [x.grad for x in (q, k, v)]):
-        assert torch.equal(got, want)
+        if deterministic or got is captured[0]:  # the forward is deterministic either way
+            assert torch.equal(got, want)
+        else:
+            assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
 def test_jax_grad_runs_the_backward_kernel():
