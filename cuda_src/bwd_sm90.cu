@@ -136,6 +136,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const int tiles = m_count * p.group;
   auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
+  // This sequence's first row of the float32 dQ buffer.
+  float* const dq_rows = p.dq_accum + (kVarlen ? q_row0 : static_cast<long long>(b) * seqlen_q) * p.dq_accum_stride_s;
   // Where row m0 of query head hq is in lse or delta (given their strides), as the rank-1 maps index it.
   auto row_index = [&](long long stride_b, long long stride_h, int hq, int m0) {
     return static_cast<int>((kVarlen ? q_row0 : b * stride_b) + hq * stride_h + m0);
@@ -191,7 +193,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         tma_load_1d(rows + kRowsBoxBytes, &p.delta_map, full(s), row_index(p.delta_stride_b, p.delta_stride_h, hq, m0) & ~3);
       }
     } else if (kDqBuffers > 0 && warp == 1) {
-      float* dq_accum = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s;
 #pragma unroll 1
       for (int t = 0; t < tiles; ++t) {
         const int buffer = t % kDqBuffers, hq = tile_head(t), m0 = tile_m0(t);
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         for (int half = 0; half < 2; ++half) {
           const int r = lane + 32 * half, i = m0 + r;
           if (i < seqlen_q) {
-            bulk_reduce_add_f32(dq_accum + i * p.dq_accum_stride_s + hq * p.dq_accum_stride_h,
+            bulk_reduce_add_f32(dq_rows + i * p.dq_accum_stride_s + hq * p.dq_accum_stride_h,
                                 sDq + (buffer * kBlockM + r) * kDqRowBytes, 4 * p.headdim);
           }
         }
@@ -254,7 +255,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     for (int kk = 0; kk < kHeadSteps; ++kk) {
       Wgmma<T, kBlockM>::ss(st, desc_k + head_step(kk, kBlockN), desc_q + slot_q + head_step(kk, kBlockM), kk > 0);
     }
-    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
       Wgmma<T, kBlockM>::ss(dpt, desc_v + head_step(kk, kBlockN), desc_q + slot_do + head_step(kk, kBlockM), kk > 0);
@@ -345,8 +345,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKeySteps; ++kk) {
-        Wgmma<T, kHeadDim>::ss_mn_major(dq, desc_ds + (((t % 2) * kDsBytes + kk * 2048) >> 4),
-                                        desc_k_mn + ((kk * 2048) >> 4), kk > 0);
+        Wgmma<T, kHeadDim>::template ss<1, 1>(dq, desc_ds + (((t % 2) * kDsBytes + kk * 2048) >> 4),
+                                              desc_k_mn + ((kk * 2048) >> 4), kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -368,8 +368,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         fence_proxy_async_shared();  // before the async proxy (warp 1's bulk reductions) reads them
         arrive(dq_full(buffer));
       } else {
-        float* dq_head = p.dq_accum + static_cast<long long>(kVarlen ? q_row0 : b * seqlen_q) * p.dq_accum_stride_s +
-                         hq * p.dq_accum_stride_h;
+        float* dq_head = dq_rows + hq * p.dq_accum_stride_h;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + key_in_wg + 8 * hf;

@@ -82,8 +82,8 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     dtype = str(rng.choice(sorted(api.FP8_OUT_DTYPES if fp8 else family.dtypes)))
     # Half the draws take a head dim the family compiles (the common case), half any multiple of 8
     # (of 16 for e4m3: 16-byte rows).
-    headdims = tuple(h for h in (HEADDIMS[1::2] if fp8 else HEADDIMS) if h <= family.max_headdim)
-    headdim = int(rng.choice((64, 128) if rng.random() < 0.5 else headdims))
+    served = lambda hs: tuple(h for h in hs if h <= family.max_headdim)
+    headdim = int(rng.choice(served((64, 128)) if rng.random() < 0.5 else served(HEADDIMS[1::2] if fp8 else HEADDIMS)))
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cuflash
@@ -64,36 +64,38 @@ _DENSE = dict(dtype=st.sampled_from([torch.float16, torch.bfloat16]), batch=st.i
               seqlen_q=st.sampled_from([1, 7, 64, 65, 127, 200, 333]),
               seqlen_k=st.sampled_from([1, 9, 64, 100, 129, 256, 401]), nheads_kv=st.integers(1, 2),
               group=st.sampled_from([1, 2, 4]), causal=st.booleans(), left=st.sampled_from([-1, 0, 17, 100]),
-              softcap=st.sampled_from([0.0, 0.0, 5.0]), seed=st.integers(0, 2**31 - 1))
+              right=st.sampled_from([-1, -1, 0, 9]), softcap=st.sampled_from([0.0, 0.0, 5.0]),
+              seed=st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=160)
 @given(headdim=st.sampled_from(HEADDIMS), deterministic=st.booleans(), **_DENSE)
 def test_backward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left,
-                                    softcap, deterministic, seed):
-    _dense_backward("sm80", dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, softcap,
-                    deterministic, seed)
+                                    right, softcap, deterministic, seed):
+    _dense_backward("sm80", dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, right,
+                    softcap, deterministic, seed)
 
 
 @settings(max_examples=200)
 @given(headdim=st.sampled_from(SM90_HEADDIMS), **_DENSE)
 def test_sm90_backward_matches_reference(dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left,
-                                         softcap, seed):
+                                         right, softcap, seed):
     _requires_hopper()
-    _dense_backward("sm90", dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, softcap,
-                    False, seed)
+    _dense_backward("sm90", dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, right,
+                    softcap, False, seed)
 
 
-def _dense_backward(backend, dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, softcap,
-                    deterministic, seed):
+def _dense_backward(backend, dtype, headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, causal, left, right,
+                    softcap, deterministic, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     nheads = nheads_kv * group
     q = _randn(g, dtype, batch, seqlen_q, nheads, headdim)
     k, v = (_randn(g, dtype, batch, seqlen_k, nheads_kv, headdim) for _ in range(2))
     dout = _randn(g, dtype, batch, seqlen_q, nheads, headdim)
-    kw = dict(causal=causal, window=(left, -1), softcap=softcap, softmax_scale=None)
+    window = (left, -1 if causal else right)  # a right bound beyond 0 contradicts causal
+    kw = dict(causal=causal, window=window, softcap=softcap, softmax_scale=None)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
-    left_b, right_b = reference.window_bounds(causal, (left, -1))
+    left_b, right_b = reference.window_bounds(causal, window)
     problem = Problem(op="attention_backward", framework="torch", device=arrays.Device("cuda", 0),
                       dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                       nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=causal, window_left=left_b,
@@ -109,27 +111,29 @@ def _dense_backward(backend, dtype, headdim, batch, seqlen_q, seqlen_k, nheads_k
 _VARLEN = dict(dtype=st.sampled_from([torch.float16, torch.bfloat16]),
                lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=4),
                nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), causal=st.booleans(),
-               left=st.sampled_from([-1, 5, 60]), softcap=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 2**31 - 1))
+               left=st.sampled_from([-1, 5, 60]), right=st.sampled_from([-1, -1, 0, 9]), softcap=st.sampled_from([0.0, 3.0]),
+               seed=st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=60)
 @given(headdim=st.sampled_from([64, 128, 256, 80]), deterministic=st.booleans(), **_VARLEN)
 def test_varlen_backward_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, causal, left,
-                                                        softcap, deterministic, seed):
-    _varlen_backward("sm80", dtype, headdim, lens, nheads_kv, group, causal, left, softcap, deterministic, seed)
+                                                        right, softcap, deterministic, seed):
+    _varlen_backward("sm80", dtype, headdim, lens, nheads_kv, group, causal, left, right, softcap, deterministic, seed)
 
 
 @settings(max_examples=80)
 @given(headdim=st.sampled_from([64, 128, 80, 32]), **_VARLEN)
 def test_sm90_varlen_backward_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, causal, left,
-                                                             softcap, seed):
+                                                             right, softcap, seed):
     _requires_hopper()
-    if not any(a and b for a, b in lens):
-        return  # TMA cannot describe an empty q or k: bwd_sm90 refuses it (bwd_sm80 serves it, tested above)
-    _varlen_backward("sm90", dtype, headdim, lens, nheads_kv, group, causal, left, softcap, False, seed)
+    # TMA cannot describe an empty q or k: bwd_sm90 refuses those (bwd_sm80 serves them, tested above)
+    assume(sum(a for a, _ in lens) and sum(b for _, b in lens))
+    _varlen_backward("sm90", dtype, headdim, lens, nheads_kv, group, causal, left, right, softcap, False, seed)
 
 
-def _varlen_backward(backend, dtype, headdim, lens, nheads_kv, group, causal, left, softcap, deterministic, seed):
+def _varlen_backward(backend, dtype, headdim, lens, nheads_kv, group, causal, left, right, softcap, deterministic,
+                     seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     nheads = nheads_kv * group
     total_q, total_k = sum(a for a, _ in lens), sum(b for _, b in lens)
@@ -138,12 +142,13 @@ def _varlen_backward(backend, dtype, headdim, lens, nheads_kv, group, causal, le
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for x in zip(*lens))
     max_q, max_k = max(a for a, _ in lens), max(b for _, b in lens)
-    kw = dict(causal=causal, window=(left, -1), softcap=softcap, softmax_scale=None)
+    window = (left, -1 if causal else right)  # a right bound beyond 0 contradicts causal
+    kw = dict(causal=causal, window=window, softcap=softcap, softmax_scale=None)
     out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
     dense = Problem(op="attention_varlen_backward", framework="torch", device=arrays.Device("cuda", 0),
                     dtype=str(dtype).removeprefix("torch."), batch=len(lens), seqlen_q=max_q, seqlen_k=max_k,
                     nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, total_q=total_q, total_k=total_k)
-    left_b, right_b = reference.window_bounds(causal, (left, -1))
+    left_b, right_b = reference.window_bounds(causal, window)
     problem = dataclasses.replace(dense, causal=causal, window_left=left_b, window_right=right_b,
                                   softmax_scale=1 / math.sqrt(headdim), softcap=softcap, deterministic=deterministic,
                                   backend=backend)
@@ -217,6 +222,32 @@ def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch):
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, **kw, backend="sm90")
     _check(dict(zip(("dq", "dk", "dv"), grads)), _grads(q, k, v, dout, torch.float32, kw),
            _grads(q, k, v, dout, torch.bfloat16, kw), torch.bfloat16)
+
+
+def test_sm90_strided_inputs_and_lse_layouts():
+    """bwd_sm90 with q and dout as strided views (different strides) and lse padded per row; an lse
+    with a negative stride, which its TMA map cannot index, is refused by name when bwd_sm90 is forced
+    and served by bwd_sm80 otherwise."""
+    _requires_hopper()
+    import cupy
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = _randn(g, torch.bfloat16, 2, 300, 6, 128)[:, :, 1:5]
+    dout = _randn(g, torch.bfloat16, 2, 300, 8, 128)[:, :, ::2]
+    k, v = (_randn(g, torch.bfloat16, 2, 260, 2, 128) for _ in range(2))
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+    ref, low = _grads(q, k, v, dout, torch.float32, kw), _grads(q, k, v, dout, torch.bfloat16, kw)
+    padded = torch.full((2, 4, 320), float("nan"), device="cuda")
+    padded[..., :300] = lse
+    grads = cuflash.attention_backward(dout, q, k, v, out, padded[..., :300], causal=True, backend="sm90")
+    _check(dict(zip(("dq", "dk", "dv"), grads)), ref, low, torch.bfloat16)
+    cq, ck, cv, cdout, cout = (cupy.from_dlpack(x) for x in (q, k, v, dout, out))
+    reversed_heads = cupy.ascontiguousarray(cupy.from_dlpack(lse)[:, ::-1])[:, ::-1]  # lse's values, head stride < 0
+    with pytest.raises(NotImplementedError, match="lse"):
+        cuflash.attention_backward(cdout, cq, ck, cv, cout, reversed_heads, causal=True, backend="sm90")
+    grads = cuflash.attention_backward(cdout, cq, ck, cv, cout, reversed_heads, causal=True)
+    _check(dict(zip(("dq", "dk", "dv"), (torch.from_dlpack(x) for x in grads))), ref, low, torch.bfloat16)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

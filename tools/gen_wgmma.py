@@ -31,21 +31,14 @@ def _specialization(cxx_type: str, ptx_type: str, n: int) -> str:
     ra = f"{{%{n_acc}, %{n_acc + 1}, %{n_acc + 2}, %{n_acc + 3}}}"
     return f"""template <>
 struct Wgmma<{cxx_type}, {n}> {{
+  template <int kTransA = 0, int kTransB = 0>
   static __device__ __forceinline__ void ss(float (&d)[{n_acc}], unsigned long long desc_a, unsigned long long desc_b,
                                             int accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n"
-        "{inst} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n"
+        "{inst} {{{regs}}}, %{a}, %{b}, p, 1, 1, %{acc + 1}, %{acc + 2};\\n}}\\n"
         : {outs}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }}
-  static __device__ __forceinline__ void ss_mn_major(float (&d)[{n_acc}], unsigned long long desc_a,
-                                                     unsigned long long desc_b, int accumulate) {{
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n"
-        "{inst} {{{regs}}}, %{a}, %{b}, p, 1, 1, 1, 1;\\n}}\\n"
-        : {outs}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
   }}
   static __device__ __forceinline__ void rs_b_mn_major(float (&d)[{n_acc}], const unsigned (&a)[4],
                                                        unsigned long long desc_b, int accumulate) {{
@@ -95,8 +88,8 @@ def render() -> str:
         "// Wgmma<T, N>: warpgroup MMA m64nNk16 (16-bit T) or m64nNk32 (e4m3), fp32 accumulators (N / 2\n"
         "// per thread; register i holds row 16 * warp + lane / 4 + 8 * ((i >> 1) & 1), column\n"
         "// 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)).\n"
-        "//   ss:            D (+)= A B, A and B in shared memory, both K-major (descriptors)\n"
-        "//   ss_mn_major:   (16-bit) the same with both MN-major (transpose-A = transpose-B = 1)\n"
+        "//   ss:            D (+)= A B, A and B in shared memory (descriptors), K-major, or (16-bit)\n"
+        "//                  MN-major where ss<kTransA, kTransB> says 1\n"
         "//   rs_b_mn_major: (16-bit) D (+)= A B, A in registers (4 x b32: the accumulator layout of 16\n"
         "//                  columns), B in shared memory MN-major (transpose-B = 1)\n"
         "//   rs:            (e4m3) D (+)= A B, A in registers (4 x b32, 16 bytes: row r columns 4q..4q+3,\n"

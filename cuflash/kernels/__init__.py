@@ -115,8 +115,9 @@ class Family:
     # allocated like them by the caller's framework (so CUDA graphs capture them, JAX's XLA owns
     # them); contents undefined on entry. From the problem alone: JAX declares them at trace time.
     workspace: Callable[[Any], dict] | None = None
-    # The largest head dim `select` accepts, and whether it serves deterministic=True (backward):
-    # what `python -m cuflash`'s check draws for this family stays within them.
+    # The largest head dim `select` accepts, and whether it serves deterministic=True (backward; its
+    # `select` refuses the rest, and dispatch moves on): what `python -m cuflash`'s check draws for
+    # this family stays within them.
     max_headdim: int = 256
     deterministic: bool = True
 

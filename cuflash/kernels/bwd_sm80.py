@@ -204,7 +204,8 @@ def prepare(problem, inputs, outputs, stream) -> bool:
 
 
 def accumulator_headdim(problem) -> int:
-    """The head dim of the dQ buffer's rows (workspace): the compiled head dim of this family."""
+    """The head dim of the dQ buffer's rows (workspace): this family's compiled head dim. bwd_sm90
+    shares the buffer with its own compiled head dim, writing only the problem's columns."""
     return compiled_headdim(problem.headdim, HEADDIMS)
 
 

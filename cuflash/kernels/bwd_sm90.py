@@ -3,7 +3,8 @@ warpgroups of 64 keys each, for compute capability 9.0 (compiled for sm_90a). It
 preprocess (delta), workspace (delta, the float32 dQ buffer) and dQ conversion; head dims up to 128,
 dense and varlen, causal, window, softcap, GQA. Deterministic gradients and larger head dims are
 bwd_sm80's (dispatch falls back to it). dQ reaches the float32 buffer by bulk reductions
-(cp.reduce.async.bulk) of each tile's rows, not per-thread atomics."""
+(cp.reduce.async.bulk) of each tile's rows at head dim 128, by the consumers' two-float reductions
+at 64 (DQ_BUFFERS)."""
 from __future__ import annotations
 
 import math
@@ -14,11 +15,12 @@ import numpy as np
 from .. import tma
 from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool
 from .bwd_sm80 import accumulator_headdim, convert_dq, prepare, workspace
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .forward import (ELEMENT_BYTES, check_headdim, cu_seqlens_pointers, kernel_window, row_strides, softmax_constants,
+                      token_strides)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable, tensor_map
 
 HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
-BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's
+BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's kBlockM, kBlockN
 THREADS = 384  # producer and two consumer warpgroups
 # A tile's LSE and D values load by TMA in boxes that start on a 16-byte boundary (the hardware's
 # rule for the innermost coordinate): up to 3 values before the tile's first.
@@ -100,9 +102,13 @@ def select(problem, inputs) -> BwdSm90Variant:
     check_headdim("bwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("bwd_sm90", problem, inputs, ("q", "k", "v", "dout"))
     lse = inputs["lse"]
-    if lse.strides[-1] != 1 or lse.ptr % tma.STRIDE_ALIGN_BYTES or _rows_extent(lse) >= 2**31:
+    # the rank-1 maps index lse, and delta (laid out like lse, contiguous), by b * stride_b + h * stride_h + row
+    # in int32 from the array's start
+    if (lse.strides[-1] != 1 or any(s < 0 for s in lse.strides) or lse.ptr % tma.STRIDE_ALIGN_BYTES
+            or max(_rows_extent(lse), math.prod(lse.shape)) >= 2**31):
         raise ValueError(f"bwd_sm90 loads lse with TMA as one row of fewer than 2^31 floats: it needs unit stride "
-                         f"along the queries and a 16-byte aligned start; got strides {lse.strides} at {lse.ptr:#x}")
+                         f"along the queries, no negative strides and a 16-byte aligned start; got strides "
+                         f"{lse.strides} at {lse.ptr:#x}")
     check_grid_yz("bwd_sm90", problem.nheads_kv, problem.batch)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
     return BwdSm90Variant(problem.dtype, headdim, STAGES[headdim], DQ_BUFFERS[headdim], problem.varlen,
@@ -131,7 +137,7 @@ def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) 
     params[0] = (tensor_map(problem, q, problem.nheads, BLOCK_M), tensor_map(problem, k, problem.nheads_kv, BLOCK_N),
                  tensor_map(problem, v, problem.nheads_kv, BLOCK_N), tensor_map(problem, dout, problem.nheads, BLOCK_M),
                  _rows_map(lse), _rows_map(delta), dq_accum.ptr, dk.ptr, dv.ptr,
-                 *((inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr) if problem.varlen else (0, 0)),
+                 *cu_seqlens_pointers(problem, inputs),
                  *token_strides(problem, dk), *token_strides(problem, dv), *row_strides(problem, lse),
                  *row_strides(problem, delta), problem.nheads * accum_headdim, accum_headdim, problem.seqlen_q,
                  problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
@@ -146,8 +152,8 @@ FAMILY = Family(
     name="bwd_sm90",
     backend="sm90",
     ops=("attention_backward", "attention_varlen_backward"),
-    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by bulk float32 "
-                "reductions (sm_90a)",
+    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by float32 "
+                "reductions (bulk at head dim 128) (sm_90a)",
     min_compute_capability=(9, 0),
     max_compute_capability=(9, 0),
     variants_for=variants_for,
