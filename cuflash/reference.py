@@ -602,6 +602,18 @@ def dequantize_fp8(x8, descale) -> np.ndarray:
     return x8.astype(np.float64) * _row_descale(descale, x8.shape[1])
 
 
+def forward_p_e4m3(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), exp_offset: int = 8):
+    """Attention as an FP8 kernel computes it from exact inputs, the yardstick of FP8 error bounds:
+    P = exp(s - rowmax) * 2^exp_offset rounded to e4m3 before P V, the row sum unrounded (FP8 kernels
+    keep P <= 2^8 in e4m3, FlashAttention-3's offset; 0 puts the row maximum at 1). Rows that see no
+    key give 0. Returns out (B, Sq, H, Dv) in float64."""
+    p = probabilities(q, k, causal=causal, softmax_scale=softmax_scale, window=window)  # rows summing to 1
+    top = p.max(axis=-1, keepdims=True, initial=0.0)  # exp(0) / rowsum, or 0 for a row without keys
+    unit = np.where(top > 0, top, 1) / 2.0**exp_offset
+    p8 = (p / unit).astype(_e4m3()).astype(np.float64) * unit
+    return _apply_probs(p8, _cast(v, np.float64), p.shape[1])
+
+
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                   window=(-1, -1)):
     """`forward` on the dequantized inputs, in float64: (out, lse)."""

@@ -43,7 +43,8 @@ def _dequantize(x8, descale):
 
 
 def _plain_fp8(q, k, v, kw, out_dtype):
-    """The yardstick: attention of float32 q, k, v with P in e4m3 as described above."""
+    """The yardstick: attention of float32 q, k, v with P in e4m3 as described above; reference.
+    forward_p_e4m3 on the GPU, in torch (the hypothesis examples reach 1100 x 1100 scores per head)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
     left, right = reference.window_bounds(kw["causal"], kw["window"])
