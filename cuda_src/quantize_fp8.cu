@@ -1,5 +1,6 @@
 // FP8 quantization for attention inputs (cuflash.quantize_fp8): x (batch, seqlen, nheads, headdim)
-// fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 over each
+// fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 (at least
+// the smallest normal float) over each
 // group of rows of a head: the whole head (block == 0, descale (batch, nheads)) or blocks of
 // `block` rows (block == 128 from cuflash: descale (batch, nheads, nblocks), nblocks =
 // ceil(seqlen / block), one scale per block, the last block possibly short). kHadamard first
@@ -17,6 +18,7 @@
 namespace cuflash {
 
 constexpr float kE4m3Max = 448.f;
+constexpr float kSmallestNormal = 1.17549435e-38f;  // FLT_MIN, 2^-126
 
 struct QuantizeFp8Params {
   const void* x;
@@ -93,7 +95,9 @@ __global__ void __launch_bounds__(32 * kWarps) quantize_fp8(const __grid_constan
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float descale = amax > 0.f ? amax / kE4m3Max : 1.f;
+  // At least the smallest normal float: a smaller descale is flushed to zero here (the module is
+  // compiled with -ftz), which would turn the division below into inf / NaN.
+  const float descale = amax > 0.f ? fmaxf(amax / kE4m3Max, kSmallestNormal) : 1.f;
 
   unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
   const int nblocks = p.block ? (p.seqlen + p.block - 1) / p.block : 1;  // == gridDim.x

@@ -573,7 +573,8 @@ def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     """x (B, S, H, D) -> (x8 float8_e4m3fn (B, S, H, D), descale float32): descale (B, H) with one
     scale per head (block None), or (B, H, ceil(S / FP8_BLOCK)) with one scale per block of
     FP8_BLOCK rows (block FP8_BLOCK, the only block size; the last block may be short). An
-    all-zero head or block gets descale 1."""
+    all-zero head or block gets descale 1; the others amax / 448, but at least the smallest normal
+    float32 (2^-126: a GPU flushes smaller ones to zero)."""
     if block is not None and block != FP8_BLOCK:
         raise ValueError(f"block must be None or {FP8_BLOCK} (attention_fp8 takes scales per {FP8_BLOCK} rows); "
                          f"got {block!r}")
@@ -590,7 +591,7 @@ def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
         padded[:, :s] = x
         amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, FP8_BLOCK, h, d)), axis=(2, 4), initial=0.0)
         amax = np.swapaxes(amax, 1, 2)  # (B, H, blocks)
-    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    descale = np.where(amax > 0, np.maximum(amax / E4M3_MAX, np.finfo(np.float32).tiny), 1.0).astype(np.float32)
     scaled = np.clip(x / _row_descale(descale, s), -E4M3_MAX, E4M3_MAX)  # e4m3fn has no inf: never overflow
     return scaled.astype(_e4m3()), descale
 

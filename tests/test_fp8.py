@@ -60,6 +60,18 @@ def test_quantize_transforms_with_x_times_the_hadamard_matrix():
     assert np.abs(back - x @ reference.hadamard_matrix(128, 4).T).max() > 0.5  # M^T is another matrix
 
 
+def test_quantize_keeps_descales_normal_for_tiny_heads():
+    """A head whose amax / 448 is below the smallest normal float32 gets that smallest normal: a GPU
+    would flush a smaller descale to zero (and x / 0 to inf). Its codes stay within 448."""
+    x = np.random.default_rng(3).standard_normal((1, 40, 2, 64))
+    x[0, :, 1] = np.sign(x[0, :, 1]) * (1 + np.abs(x[0, :, 1])) * 2.0**-120  # normal floats, amax / 448 < 2^-126
+    x8, descale = cuflash.quantize_fp8(x.astype(np.float32))
+    assert descale[0, 1] == np.finfo(np.float32).tiny and descale[0, 0] == np.float32(np.abs(x[0, :, 0]).max() / 448)
+    back = reference.dequantize_fp8(x8, descale)
+    assert np.isfinite(back).all() and np.abs(x8.astype(np.float64)).max() <= 448
+    assert np.allclose(back[0, :, 1], x[0, :, 1], rtol=2.0**-3, atol=0)
+
+
 def test_quantize_ignores_nans_for_the_scale_and_a_short_sequence_is_one_short_block():
     x = np.random.default_rng(9).standard_normal((1, 8, 1, 64))
     clean8, clean_descale = cuflash.quantize_fp8(x)
@@ -325,6 +337,10 @@ def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadama
     x = torch.randn(2, seqlen, 3, headdim, device="cuda", generator=g, dtype=getattr(torch, dtype))
     x[0, ::97, 1, :5] *= 10  # outliers
     x[1, :, 2] = 0  # an all-zero head
+    if dtype == "bfloat16" and not hadamard:
+        # a head of normal floats whose amax / 448 is not: descale clamped to the smallest normal
+        # float (not with the transform, whose sums near zero are subnormal: flushed on the GPU)
+        x[0, :, 2] = x[0, :, 2].sign() * (1 + x[0, :, 2].abs()) * 2.0**-120
     x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=11)
     assert x8.dtype == torch.float8_e4m3fn and descale.dtype == torch.float32 and x8.is_cuda
     assert tuple(descale.shape) == ((2, 3) if block is None else (2, 3, -(-seqlen // 128)))
