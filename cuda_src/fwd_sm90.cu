@@ -600,7 +600,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           softmax(n, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
             const float v_descale = kv_descale(2, n);
-            const float ratio = __fdividef(o_descale, v_descale);
+            // Exactly 1 when the descale does not change (per-head descales: every block), so that
+            // the rounding of a division does not compound over the blocks.
+            const float ratio = v_descale == o_descale ? 1.f : __fdividef(o_descale, v_descale);
             correction[0] *= ratio;
             correction[1] *= ratio;
             o_descale = v_descale;
