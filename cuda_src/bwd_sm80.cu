@@ -209,9 +209,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
     }
 
     // A tile in which every query sees every key (no tail, no window edge) skips the mask.
-    const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
-                          (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
-                          (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
+    const bool interior = sees_all(m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k, left, right);
     // Pᵀ and dSᵀ as A operands (16 keys x k16 queries per step), packed once.
     constexpr int kKSteps = kQueriesPerWarp / 16;
     unsigned pa[kKSteps][4], dsa[kKSteps][4];

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   // dQ's staging rows, padded by 8 floats: the 8 rows a warp stores at once then start in
   // different bank groups.
   constexpr unsigned kDqRowBytes = (kHeadDim + 8) * 4;
-  constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  using Split = RegisterSplit<2>;
   constexpr int kDAcc = kHeadDim / 2;                   // dK, dV, dQ accumulators per thread
   constexpr int kSAcc = kBlockM / 2;                    // Sᵀ, dPᵀ accumulators per thread
   constexpr int kHeadSteps = kHeadDim / 16;             // k16 steps of Sᵀ and dPᵀ
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole swizzle atoms; dK and dV fit the registers up to 128");
   static_assert(kStages >= 1, "at least one Q/dO slot");
   static_assert(kDqBuffers >= 0 && kDqBuffers <= 2, "dQ staged in one or two buffers, or not at all");
-  static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 65536 / 384 / 8 * 8 * 3, "the CTA's registers");
+  static_assert(Split::kProducer + 2 * Split::kConsumer <= 65536 / 384 / 8 * 8 * 3, "the CTA's registers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Swizzled tiles start on 1024-byte boundaries (the launch asks for 1 KiB more).
@@ -161,15 +161,11 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    setmaxnreg_dec<kProducerRegisters>();
+    setmaxnreg_dec<Split::kProducer>();
     const int warp = tid / 32;
     if (warp == 0 && lane == 0 && tiles > 0) {
       auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int col, int head, int row) {
-        if constexpr (kVarlen) {
-          tma_load_3d(dst, map, bar, col, head, row);
-        } else {
-          tma_load_4d(dst, map, bar, col, head, row, b);
-        }
+        tma_load_tokens<kVarlen>(dst, map, bar, col, head, row, b);
       };
       mbarrier_arrive_expect_tx(kv_full, 2 * kKBytes);
 #pragma unroll
@@ -207,8 +203,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         }
         bulk_commit();
         bulk_wait_read<0>();
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(dq_empty(buffer));
+        mbarrier_arrive_warp(dq_empty(buffer));
       }
       bulk_wait<0>();  // the additions are complete before the kernel ends
     }
@@ -216,7 +211,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   }
 
   // -------------------------------------------------------------------- consumers
-  setmaxnreg_inc<kConsumerRegisters>();
+  setmaxnreg_inc<Split::kConsumer>();
   const int wg = warpgroup - 1;                                // which 64 keys of the block
   const int key_in_wg = 16 * (tid % 128 / 32) + lane / 4;      // this thread's keys: key_in_wg and + 8
   // Descriptors (128-byte swizzle). K-major: K and V rows of this warpgroup as A (atoms kBlockN
@@ -230,11 +225,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const unsigned long long desc_q_mn = smem_descriptor_sw128(sQ, kBlockM * 128, 1024);
   const unsigned long long desc_ds = smem_descriptor_sw128(sDs, kDsBytes, 1024);
   const unsigned long long desc_k_mn = smem_descriptor_sw128(sK, kBlockN * 128, 1024);
-  auto head_step = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
-  auto arrive = [&](unsigned bar) {
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar);
-  };
 
   float dk[kDAcc], dv[kDAcc];
 #pragma unroll
@@ -253,11 +243,12 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kBlockM>::ss(st, desc_k + head_step(kk, kBlockN), desc_q + slot_q + head_step(kk, kBlockM), kk > 0);
+      Wgmma<T, kBlockM>::ss(st, desc_k + k_major_step(kk, kBlockN), desc_q + slot_q + k_major_step(kk, kBlockM), kk > 0);
     }
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kBlockM>::ss(dpt, desc_v + head_step(kk, kBlockN), desc_q + slot_do + head_step(kk, kBlockM), kk > 0);
+      Wgmma<T, kBlockM>::ss(dpt, desc_v + k_major_step(kk, kBlockN), desc_q + slot_do + k_major_step(kk, kBlockM),
+                            kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -270,9 +261,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     const unsigned lse_rows = sRows + s * kRowsBytes + 4 * (row_index(p.lse_stride_b, p.lse_stride_h, hq, m0) & 3);
     const unsigned delta_rows =
         sRows + s * kRowsBytes + kRowsBoxBytes + 4 * (row_index(p.delta_stride_b, p.delta_stride_h, hq, m0) & 3);
-    const bool interior = m0 + kBlockM <= seqlen_q && n0 + kBlockN <= seqlen_k &&
-                          (left < 0 || n0 >= m0 + kBlockM - 1 + offset - left) &&
-                          (right < 0 || n0 + kBlockN - 1 <= m0 + offset + right);
+    const bool interior = sees_all(m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k, left, right);
     // (called with a constant, inlined: each call site compiles its own loop)
     auto softmax_gradient = [&](bool masked) {
 #pragma unroll
@@ -291,6 +280,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
             visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
                       (right < 0 || j <= i + offset + right);
           }
+          // (bwd_sm80's element-wise code, kept written out in both: shared as a function it cost
+          // bwd_sm80 at head dim 128, which uses all 255 registers, a spill)
           float x = st[idx], dtanh = 1.f;
           if constexpr (kSoftcap) {
             x = softcap_score(x, p.softcap_exp2_scale, p.softcap);  // softcap * tanh(.)
@@ -320,7 +311,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         pa[kk][r] = pack2<T>(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
         dsa[kk][r] = pack2<T>(dpt[8 * kk + 2 * r], dpt[8 * kk + 2 * r + 1]);
         const int row = 64 * wg + key_in_wg + 8 * (r % 2), chunk = 2 * kk + r / 2;  // 16-byte chunk = 8 queries
-        st_shared_b32(ds_buf + row * 128 + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4, dsa[kk][r]);
+        st_shared_b32(ds_buf + sw128_offset(row, chunk) + (lane % 4) * 4, dsa[kk][r]);
       }
     wgmma_fence();  // Pᵀ and dSᵀ were written by ordinary instructions
 #pragma unroll
@@ -339,7 +330,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     wgmma_wait<0>();
     pin_registers(dk);
     pin_registers(dv);
-    arrive(empty(s));
+    mbarrier_arrive_warp(empty(s));
     if (wg == t % 2) {  // the warpgroups take turns with dQ
       float dq[kDAcc];
       wgmma_fence();
@@ -366,7 +357,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
           }
         }
         fence_proxy_async_shared();  // before the async proxy (warp 1's bulk reductions) reads them
-        arrive(dq_full(buffer));
+        mbarrier_arrive_warp(dq_full(buffer));
       } else {
         float* dq_head = dq_rows + hq * p.dq_accum_stride_h;
 #pragma unroll

@@ -70,22 +70,6 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 576, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
-// Register budgets after the split, per consumer count: setmaxnreg moves registers between the
-// warpgroups of a CTA, so producer + consumers must fit what the launch gave the CTA (__launch_bounds__
-// rounds 65536 / threads down to a multiple of 8 per thread: 168 at 384 threads). Head dim 256
-// holds a 64 x 256 fp32 O accumulator: 128 registers. The producer's 24 (32 with three consumers)
-// also serve e4m3's transposing warps (written for it: see their loop).
-template <int kConsumers>
-struct RegisterSplit;
-template <>
-struct RegisterSplit<2> {
-  static constexpr int kProducer = 24, kConsumer = 240;
-};
-template <>
-struct RegisterSplit<3> {
-  static constexpr int kProducer = 32, kConsumer = 160;
-};
-
 // Where the epilogue puts O before its 16-byte row stores: a tile of its own, Q's tile (when shared
 // memory has no room for another; Q is then released only after the stores), or nowhere: stored
 // straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head dim
@@ -343,11 +327,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int head, int row, int rows) {
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
-          if constexpr (kVarlen) {
-            tma_load_3d(dst + a * rows * 128, map, bar, a * kAtomElems, head, row);
-          } else {
-            tma_load_4d(dst + a * rows * 128, map, bar, a * kAtomElems, head, row, t.b);
-          }
+          tma_load_tokens<kVarlen>(dst + a * rows * 128, map, bar, a * kAtomElems, head, row, t.b);
         }
       };
       // Block n into the next ring slot (only the leader issues; every lane advances the slot).
@@ -408,13 +388,6 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned long long desc_q = smem_descriptor_sw128(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = smem_descriptor_sw128(sK, 16, 1024);
   const unsigned long long desc_v = smem_descriptor_sw128(sV, kFp8 ? 16 : kBlockN * 128, 1024);
-  auto qk_offset = [](int kk, int rows) { return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4); };
-  // One arrival per warp, once every lane is done with the buffer (the reads of staged O are per
-  // lane; after a wgmma wait the warp is converged anyway).
-  auto arrive = [&](unsigned bar) {
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar);
-  };
   // Ping-pong: warpgroup wg issues its GEMMs after syncing on its own turn barrier (with the
   // arrival of warpgroup wg - 1) and then hands the turn to wg + 1. Every consumer has the same
   // number of turns in a tile (blocks + 1); warpgroup 0 goes first, and the last warpgroup skips
@@ -442,10 +415,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     progress ^= 1;
     const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
     if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
-      arrive(q_empty);
+      mbarrier_arrive_warp(q_empty);
       continue;
     }
-    if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) arrive(q_empty);  // nothing was loaded
+    if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);  // nothing was loaded
     float o[kOAcc];
 #pragma unroll
     for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
@@ -485,8 +458,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto issue_qk = [&](int slot) {
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
-          Wgmma<T, kBlockN>::ss(s, desc_q + qk_offset(kk, kBlockM),
-                                desc_k + ((slot * kKBytes) >> 4) + qk_offset(kk, kBlockN), kk > 0);
+          Wgmma<T, kBlockN>::ss(s, desc_q + k_major_step(kk, kBlockM),
+                                desc_k + ((slot * kKBytes) >> 4) + k_major_step(kk, kBlockN), kk > 0);
         }
         wgmma_commit();
       };
@@ -554,9 +527,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       for (int n = t.kb.n_max - 1; n >= n_top; --n) {  // waiting for full keeps the slots' phases in step
         const int slot = it() % kStages, parity = (it() / kStages) & 1;
         mbarrier_wait(k_full(slot), parity);
-        arrive(k_empty(slot));
+        mbarrier_arrive_warp(k_empty(slot));
         mbarrier_wait(v_full(slot), parity);
-        arrive(v_empty(slot));
+        mbarrier_arrive_warp(v_empty(slot));
         progress += 2;
         turn_begin();  // one turn per block, as if it were computed
         turn_end(false);
@@ -564,7 +537,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
         turn_begin();
         turn_end(true);
-        if constexpr (kOStage != kOStageInQ) arrive(q_empty);
+        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);
       } else {
         // First block: S, softmax, P (O is still zero: no rescale).
         mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
@@ -574,7 +547,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_end(false);
         wgmma_wait<0>();
         pin_registers(s);
-        arrive(k_empty(it() % kStages));
+        mbarrier_arrive_warp(k_empty(it() % kStages));
         {
           float correction[2];
           softmax(n_top - 1, correction);
@@ -595,7 +568,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           turn_end(false);
           wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
           pin_registers(s);
-          arrive(k_empty(slot));
+          mbarrier_arrive_warp(k_empty(slot));
           float correction[2];
           softmax(n, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
@@ -609,7 +582,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           }
           wgmma_wait<0>();
           pin_registers(o);
-          arrive(v_empty(prev));
+          mbarrier_arrive_warp(v_empty(prev));
 #pragma unroll
           for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
           pack_p();
@@ -623,8 +596,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_end(true);
         wgmma_wait<0>();
         pin_registers(o);
-        arrive(v_empty(last));
-        if constexpr (kOStage != kOStageInQ) arrive(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
+        mbarrier_arrive_warp(v_empty(last));
+        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
       }
     }
 
@@ -657,8 +630,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed;
           }
         } else {
-          st_shared_b32(stage + (nt / 8) * kBlockM * 128 + r * 128 + (((nt % 8) ^ (r % 8)) * 16) + (e_lane % 4) * 4,
-                        packed);
+          st_shared_b32(stage + (nt / 8) * kBlockM * 128 + sw128_offset(r, nt % 8) + (e_lane % 4) * 4, packed);
         }
       }
       if (e_lane % 4 == 0 && row < te.seqlen_q) {
@@ -674,14 +646,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const int row = te.m0 + e_wg * 64 + r;
         if (row < te.seqlen_q && c * 8 < p.headdim) {
           *reinterpret_cast<uint4*>(o_base + row * p.o_stride_s + c * 8) =
-              ld_shared_v4(stage + (c / 8) * kBlockM * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16);
+              ld_shared_v4(stage + (c / 8) * kBlockM * 128 + sw128_offset(r, c % 8));
         }
       }
     }
     if constexpr (kOStage == kOStageInQ) {
       // This warp's reads of the staged O are done: TMA may write the next Q over it.
       fence_proxy_async_shared();
-      arrive(q_empty);
+      mbarrier_arrive_warp(q_empty);
     } else if constexpr (kOStage == kOStageOwn) {
       named_barrier_sync(kEpilogueBarrier + e_wg, 128);  // reads done before the next tile's writes
     }

@@ -1,9 +1,9 @@
 // FP8 quantization for attention inputs (cuflash.quantize_fp8): x (batch, seqlen, nheads, headdim)
 // fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 (at least
-// the smallest normal float) over each
-// group of rows of a head: the whole head (block == 0, descale (batch, nheads)) or blocks of
-// `block` rows (block == 128 from cuflash: descale (batch, nheads, nblocks), nblocks =
-// ceil(seqlen / block), one scale per block, the last block possibly short). kHadamard first
+// the smallest normal float) over each group of rows of a head: the whole head (block == 0,
+// descale (batch, nheads)) or blocks of `block` rows (block == 128 from cuflash: descale (batch,
+// nheads, nblocks), nblocks = ceil(seqlen / block), one scale per block, the last block possibly
+// short). kHadamard first
 // multiplies every row by diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix,
 // headdim == kHeadDim a power of two): the semantics are reference.quantize_fp8's.
 //

@@ -19,8 +19,8 @@ COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca0
                                           "#e377c2", "#7f7f7f")))
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
-          "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN", "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
-          "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
+          "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
+          "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales", "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
 
 

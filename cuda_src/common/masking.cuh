@@ -1,4 +1,4 @@
-// The contract's masks, softcap and the online-softmax step, shared by the forward kernels.
+// The contract's masks, softcap and the online-softmax step, shared by the kernels.
 // Query i sees key j iff i + offset - left <= j <= i + offset + right, offset = seqlen_k - seqlen_q
 // (aligned bottom-right; -1 = unbounded; causal is right = 0). Window bounds reach the kernels
 // clamped below 2^31 (cuflash/kernels/fwd_sm80.py, kernel_window), so this int arithmetic is exact.
@@ -37,6 +37,15 @@ __device__ __forceinline__ void query_rows(int n0, int n1, int seqlen_q, int seq
   const int offset = seqlen_k - seqlen_q;
   lo = right >= 0 ? max(0, n0 - offset - right) : 0;
   hi = left >= 0 ? min(seqlen_q, n1 - 1 - offset + left + 1) : seqlen_q;
+}
+
+// Whether every query of [m0, m0 + rows) sees every key of [n0, n0 + cols): no tail, no window edge
+// (a tile that needs no mask).
+__device__ __forceinline__ bool sees_all(int m0, int rows, int n0, int cols, int seqlen_q, int seqlen_k, int left,
+                                         int right) {
+  const int offset = seqlen_k - seqlen_q;
+  return m0 + rows <= seqlen_q && n0 + cols <= seqlen_k && (left < 0 || n0 >= m0 + rows - 1 + offset - left) &&
+         (right < 0 || n0 + cols - 1 <= m0 + offset + right);
 }
 
 // The keys row i sees, as columns relative to col0: lo <= column <= hi.

@@ -1,7 +1,8 @@
-// PTX wrappers for the sm_90a path: mbarriers, TMA loads, bulk reductions, shared-memory matrix descriptors,
-// wgmma fences and waits, setmaxnreg and named barriers. One wrapper per instruction; the
-// wgmma.mma_async instructions themselves are in wgmma.cuh (generated). Facts and sources behind
-// each one: shared/notes/hopper.md (sections named below).
+// PTX wrappers for the sm_90a path: mbarriers, TMA loads, bulk reductions, shared-memory matrix
+// descriptors, wgmma fences and waits, setmaxnreg and named barriers (one wrapper per instruction;
+// the wgmma.mma_async instructions themselves are in wgmma.cuh, generated), and the layout facts
+// the sm_90a kernels share. Facts and sources behind each one: shared/notes/hopper.md (sections
+// named below).
 #pragma once
 
 #include "sm80.cuh"
@@ -27,6 +28,12 @@ __device__ __forceinline__ void fence_barrier_init() {
 }
 __device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival for the calling warp, once every lane is done with what the barrier releases (lanes'
+// own shared-memory reads or writes before it; after a wgmma wait the warp is converged anyway).
+__device__ __forceinline__ void mbarrier_arrive_warp(unsigned bar) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) mbarrier_arrive(bar);
 }
 // Arrive and add `bytes` to the transaction count the current phase waits for.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
@@ -71,6 +78,9 @@ __device__ __forceinline__ unsigned ld_shared_b32(unsigned addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
+__device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
@@ -94,8 +104,11 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // ---------------------------------------------------------------- TMA (hopper.md section 5)
 
-// One box of a rank-1, rank-3 or rank-4 tensor map into shared memory; completes on `bar` (transaction
-// bytes). Coordinates innermost first, in elements; out-of-bounds elements read as zero.
+// One box of a rank-1, rank-3 or rank-4 tensor map into shared memory; completes on `bar`
+// (transaction bytes: the whole box, zero-filled parts included). Coordinates innermost first, in
+// elements; out-of-bounds elements read as zero. Seen on H100: an innermost start that is not
+// 16-byte aligned ends the kernel (illegal instruction), and an unswizzled box needs a 128-byte
+// aligned destination (misaligned shared address otherwise).
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
@@ -116,6 +129,18 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, uns
       "[%2];\n" ::"r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+// A box of q, k, v or dout (cuflash/kernels/fwd_sm90.py, tensor_map): columns `col`.. of head `head`
+// from token `row` of batch `batch`; varlen maps are rank 3 over the tokens of all sequences (row
+// counts from the first, batch is not used), dense ones rank 4.
+template <bool kVarlen>
+__device__ __forceinline__ void tma_load_tokens(unsigned dst, const TmaMap* map, unsigned bar, int col, int head, int row,
+                                                int batch) {
+  if constexpr (kVarlen) {
+    tma_load_3d(dst, map, bar, col, head, row);
+  } else {
+    tma_load_4d(dst, map, bar, col, head, row, batch);
+  }
 }
 
 // dst[i] += src[i] over `bytes` / 4 floats, shared memory to global, by the async proxy: the
@@ -138,11 +163,20 @@ template <int kPending>
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
-__device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
 
 // ---------------------------------------------------------------- wgmma (hopper.md sections 1-3)
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of 128-byte row `row` in a tile of such rows that
+// starts on a 1024-byte boundary, in TMA's and wgmma's 128-byte swizzle (chunk c of row r sits at
+// c ^ (r % 8)).
+__device__ __forceinline__ unsigned sw128_offset(int row, int chunk) {
+  return static_cast<unsigned>(row * 128 + ((chunk ^ (row % 8)) << 4));
+}
+// Descriptor offset (16-byte units) of k step kk (32 bytes of each row) in a K-major tile of 128-byte
+// swizzle atoms of `rows` rows each: 4 steps an atom.
+__device__ __forceinline__ unsigned k_major_step(int kk, int rows) {
+  return static_cast<unsigned>(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+}
 
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand (swizzle code 1); lbo and sbo in
 // bytes. Only the start address changes when stepping along K, so callers build one descriptor
@@ -169,6 +203,23 @@ __device__ __forceinline__ void pin_registers(float (&r)[kN]) {
 }
 
 // ---------------------------------------------------------------- warp specialisation (sections 6, 7)
+
+// Register budgets after the split, per consumer count: setmaxnreg moves registers between the
+// warpgroups of a CTA, so producer + consumers must fit what the launch gave the CTA
+// (__launch_bounds__ rounds 65536 / threads down to a multiple of 8 per thread: 168 at 384
+// threads). fwd_sm90 at head dim 256 holds a 64 x 256 fp32 O accumulator (128 registers), bwd_sm90
+// dK and dV (128 at head dim 128). The producer's 24 (32 with three consumers) also serve fwd_sm90's
+// e4m3 transposing warps (written for it: see their loop).
+template <int kConsumers>
+struct RegisterSplit;
+template <>
+struct RegisterSplit<2> {
+  static constexpr int kProducer = 24, kConsumer = 240;
+};
+template <>
+struct RegisterSplit<3> {
+  static constexpr int kProducer = 32, kConsumer = 160;
+};
 
 template <int kRegisters>
 __device__ __forceinline__ void setmaxnreg_inc() {

@@ -141,8 +141,7 @@ def _families() -> tuple[Family, ...]:
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
     return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, bwd_sm90.FAMILY, bwd_sm80.FAMILY,
-            bwd_preprocess.FAMILY,
-            quantize_fp8.FAMILY)
+            bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}

@@ -48,9 +48,9 @@ PARAMS_BYTES = np.dtype((np.void, BWD_SM90_PARAMS.itemsize))
 
 
 def smem_bytes(headdim: int, stages: int, dq_buffers: int) -> int:
-    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D (ROWS_BOX_BYTES each), two dSᵀ buffers
-    (BLOCK_N x BLOCK_M), dQ's float32 staging rows (padded by 8 floats) per buffer, the mbarriers;
-    + 1 KiB to round the base up to 1024 bytes."""
+    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D (ROWS_BOX_BYTES
+    each), two dSᵀ buffers (BLOCK_N x BLOCK_M), dQ's float32 staging rows (padded by 8 floats) per
+    buffer, the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
     row = headdim * ELEMENT_BYTES
     return (2 * BLOCK_N * row + stages * (2 * BLOCK_M * row + 2 * ROWS_BOX_BYTES) + 2 * BLOCK_N * BLOCK_M * ELEMENT_BYTES
             + dq_buffers * BLOCK_M * (headdim + 8) * 4 + 8 * (1 + 2 * stages + 2 * dq_buffers) + 1024)

@@ -140,8 +140,8 @@ def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) 
     params = np.empty(1, FWD_PARAMS)
     params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k,
                  *(s for x in (q, k, v) for s in token_strides(problem, x)), *o_strides, *lse_strides,
-                 problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
-                 *softmax_constants(problem), 0)
+                 problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
+                 *kernel_window(problem), *softmax_constants(problem), 0)
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
         function((blocks_m, problem.nheads, problem.batch), (variant.threads,), (params.view(PARAMS_BYTES),),
                  shared_mem=variant.dynamic_shared_bytes)
