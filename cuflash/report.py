@@ -22,6 +22,11 @@ LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)
           "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
           "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales", "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
+# A row whose repetitions spread this much (p10 to p90, over the median) of some implementation was
+# not measured at a steady state: seen in the shortest causal rows, where the GPU idles between
+# calls of the interleaved implementations (host-bound) and all of them read slow. Marked in the
+# table, like a throttled row, rather than used.
+UNSTEADY_SPREAD = 0.15
 
 
 def _cells(rows: list[dict]) -> dict:
@@ -68,6 +73,9 @@ def render(results: list[dict], title: str = "Forward") -> str:
         tf = lambda name: f"{c[name]['tflops']:.0f}" if name in c else "-"
         ratio = lambda name: f"{c['cuflash']['tflops'] / c[name]['tflops']:.2f}" if name in c else "-"
         flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
+        spread = max((r.get("spread_p10_p90") or 0.0) for r in c.values())
+        if spread > UNSTEADY_SPREAD:
+            flag += f" (unsteady: p10-p90 {spread:.2f} of a median)"
         speedup = f"{c['cuflash-fp8']['tflops'] / c['cuflash']['tflops']:.2f}" if "cuflash-fp8" in c else "-"
         out.append(f"| {key[0]} | {key[1]} | {int(key[2])} | {key[3]} | {tf('cuflash')} | "
                    + " | ".join(tf(p) for p in peers)

@@ -155,12 +155,22 @@ def test_report_tables_and_charts(tmp_path):
     assert [p.name for p in written] == ["fwd.md", "fwd_bfloat16.png"]
     table = (tmp_path / "fwd.md").read_text()
     assert "| bfloat16 | 128 | 1 | 4096 | 600 | 300 | 640 | 620 | 2.00 | 0.94 | 1980 |" in table
+    assert "unsteady" not in table
     png = (tmp_path / "fwd_bfloat16.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     # What a new run of the main job replaces: this run's inputs and outputs, nothing else.
     (tmp_path / "notes.txt").write_text("mine")
     assert sorted(p.name for p in report.outputs(tmp_path)) == ["fwd.md", "fwd_bfloat16.png", "fwd_jax.json",
                                                                "fwd_torch.json"]
+
+
+def test_report_marks_unsteady_rows(tmp_path):
+    document = _document({"cuflash": 600, "torch-cudnn": 640})
+    for row in document["rows"]:
+        row["spread_p10_p90"] = 0.4 if (row["headdim"], row["causal"], row["seqlen"]) == (64, True, 1024) else 0.02
+    table = report.render([document])
+    unsteady = [line for line in table.splitlines() if "unsteady" in line]
+    assert unsteady == ["| bfloat16 | 64 | 1 | 1024 | 150 | 160 | - | 0.94 | 1980 (unsteady: p10-p90 0.40 of a median) |"]
 
 
 @pytest.mark.gpu
