@@ -128,6 +128,49 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
 
 
+def _tile_row_cases():
+    """(headdim, seqlen_k, the row's tiles) on both sides of every bound of fwd_sm90's tile table: the
+    hypothesis draws above stop at 2048 keys, where the first bound is."""
+    from cuflash.kernels import fwd_sm90
+
+    cases = []
+    for headdim, rows in fwd_sm90.TILES.items():
+        for (bound, tiles), (_, after) in zip(rows, rows[1:]):
+            cases += [(headdim, bound, tiles), (headdim, bound + 1, after), (headdim, 2 * bound + 77, after)]
+    return cases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
+@pytest.mark.parametrize("headdim, seqlen_k, tiles", _tile_row_cases())
+@pytest.mark.parametrize("causal, varlen", [(False, False), (True, False), (True, True)])
+def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, causal, varlen):
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
+    seqlen_q = 300 if causal else 200  # causal: bottom-right aligned, the rows see the last keys
+    q = torch.randn(1, seqlen_q, 4, headdim, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, seqlen_k, 2, headdim, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, seqlen_k, 2, headdim, device="cuda", generator=g).to(torch.bfloat16)
+    kw = dict(causal=causal, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, "sm90", **kw)
+    inputs = dict(q=q, k=k, v=v)
+    if varlen:  # one long sequence after a short one
+        cu_q = torch.tensor([0, 37, 37 + seqlen_q], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 51, 51 + seqlen_k], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.cat([x[0, :n], x[0]]) for x, n in ((q, 37), (k, 51), (v, 51)))
+        problem = dataclasses.replace(problem, op="attention_varlen_forward", batch=2, total_q=q.shape[0],
+                                      total_k=k.shape[0])
+        inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    family, variant = dispatch.plan(problem, {n: arrays.device_array(x) for n, x in inputs.items()})
+    assert family.name == "fwd_sm90"
+    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong) == tiles
+    if varlen:
+        out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (4, q.shape[0]), torch.bfloat16)
+        out, lse, q, k, v = out[37:][None], lse[:, 37:][None], q[37:][None], k[51:][None], v[51:][None]
+    else:
+        out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 4, seqlen_q), torch.bfloat16)
+    _check(out, lse, q, k, v, kw)
+
+
 @BACKENDS
 def test_windows_reaching_past_every_key_are_unbounded(backend):
     """Window bounds up to int32's maximum are accepted; the kernels must not overflow on them."""

@@ -37,7 +37,7 @@ FP8_WGMMA_N = (64, 128, 256)
 # pingpong: the consumers take turns issuing GEMMs. Measurements: benchmarks/NOTES-sm90.md.
 TILES = {
     64: ((None, (3, 128, 2, False)),),
-    128: ((2048, (2, 128, 2, True)), (None, (2, 176, 2, True))),
+    128: ((2048, (2, 128, 2, True)), (None, (2, 192, 2, True))),
     192: ((None, (2, 112, 2, True)),),
     256: ((None, (2, 80, 2, False)),),
 }
