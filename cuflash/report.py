@@ -23,9 +23,9 @@ LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)
           "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales", "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
 # A row whose repetitions spread this much (p10 to p90, over the median) of some implementation was
-# not measured at a steady state: seen in the shortest causal rows, where the GPU idles between
-# calls of the interleaved implementations (host-bound) and all of them read slow. Marked in the
-# table, like a throttled row, rather than used.
+# not measured at a steady state: seen in the shortest causal rows, where the host's calls of the
+# interleaved implementations fall behind the GPU and some or all of them read 1.5-2x slow (normal
+# in the next run). Marked in the table, like a throttled row, rather than used.
 UNSTEADY_SPREAD = 0.15
 
 

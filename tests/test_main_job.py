@@ -164,7 +164,7 @@ def test_report_tables_and_charts(tmp_path):
                                                                "fwd_torch.json"]
 
 
-def test_report_marks_unsteady_rows(tmp_path):
+def test_report_marks_unsteady_rows():
     document = _document({"cuflash": 600, "torch-cudnn": 640})
     for row in document["rows"]:
         row["spread_p10_p90"] = 0.4 if (row["headdim"], row["causal"], row["seqlen"]) == (64, True, 1024) else 0.02
