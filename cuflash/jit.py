@@ -141,7 +141,9 @@ def offline_report(arch: str, variants, jobs: int = 2) -> list[dict]:
                                           name_expressions=[variant.name_expression])
         mangled = program.lowered_names[variant.name_expression]
         resources = toolchain.parse_ptxas_report(program.log)[mangled]
-        opcodes = toolchain.sass_opcode_histogram(program.cubin)[mangled]
+        sass = toolchain.disassemble(program.cubin)
+        opcodes = toolchain.parse_sass_opcodes(sass)[mangled]
+        gmma_span = toolchain.parse_gmma_span_opcodes(sass).get(mangled, {})
         return dict(
             uri=variant.uri,
             family=variant.family,
@@ -158,6 +160,9 @@ def offline_report(arch: str, variants, jobs: int = 2) -> list[dict]:
             ptxas_notes=sorted({line.split(")", 1)[0].split("(")[-1] for line in program.log.splitlines()
                                 if "(C7" in line}),
             sass_opcodes=dict(sorted(opcodes.items(), key=lambda kv: (-kv[1], kv[0]))),
+            # from the first wgmma to the last (Hopper kernels' main loops): R2UR there is a value
+            # ptxas did not keep uniform, moved to a uniform register before a wgmma or mbarrier op
+            r2ur_between_gmmas=gmma_span.get("R2UR", 0),
         )
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

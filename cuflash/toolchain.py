@@ -63,7 +63,9 @@ __all__ = [
     "FunctionResources",
     "parse_ptxas_report",
     "disassemble",
+    "parse_sass_sections",
     "parse_sass_opcodes",
+    "parse_gmma_span_opcodes",
     "sass_opcode_histogram",
 ]
 
@@ -599,33 +601,47 @@ def parse_sass_opcodes(text: str) -> dict[str, collections.Counter]:
     that ptxas placed in a kernel's section (not inlined, but called) count
     towards that kernel, as do the trailing ``BRA``-to-self and ``NOP`` padding.
     """
-    hist: dict[str, collections.Counter] = {}
-    current: collections.Counter | None = None
-    for line in text.splitlines():
-        m = _SECTION_RE.match(line)
-        if m:
-            sec = m.group(1)
-            if sec.startswith(".text."):
-                current = hist.setdefault(sec[len(".text."):], collections.Counter())
-            else:
-                current = None
-            continue
-        if current is None:
-            continue
-        m = _INSTR_RE.match(line)
-        if not m:
-            continue
-        body = m.group(1).strip().lstrip("{").strip()
-        body = _PRED_RE.sub("", body)
-        if not body:
-            continue
-        mnemonic = body.split(None, 1)[0].split(".", 1)[0]
-        if _MNEMONIC_RE.match(mnemonic):
-            current[mnemonic] += 1
-    return hist
+    return {name: collections.Counter(body) for name, body in parse_sass_sections(text).items()}
 
 
 def sass_opcode_histogram(cubin: bytes) -> dict[str, collections.Counter]:
     """Per function (mangled name) -> Counter of SASS opcode mnemonics
     (``HMMA``, ``HGMMA``, ``LDSM``, ``LDGSTS``, ``LDL``, ``STL``, ``EXIT`` ...)."""
     return parse_sass_opcodes(disassemble(cubin))
+
+
+def parse_gmma_span_opcodes(text: str) -> dict[str, collections.Counter]:
+    """Per ``.text.<function>`` section of nvdisasm output, the opcode mnemonics from its first
+    wgmma instruction (``HGMMA``, ``QGMMA``, ...) to its last: the main loops of a Hopper kernel,
+    where, for example, each ``R2UR`` is a value moved into a uniform register before use.
+    Functions without wgmma are left out."""
+    spans: dict[str, collections.Counter] = {}
+    for name, body in parse_sass_sections(text).items():
+        gmma = [i for i, mnemonic in enumerate(body) if mnemonic.endswith("GMMA")]
+        if gmma:
+            spans[name] = collections.Counter(body[gmma[0]:gmma[-1] + 1])
+    return spans
+
+
+def parse_sass_sections(text: str) -> dict[str, list[str]]:
+    """Per ``.text.<function>`` section of nvdisasm output, its opcode mnemonics in order."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        m = _SECTION_RE.match(line)
+        if m:
+            sec = m.group(1)
+            current = sections.setdefault(sec[len(".text."):], []) if sec.startswith(".text.") else None
+            continue
+        if current is None:
+            continue
+        m = _INSTR_RE.match(line)
+        if not m:
+            continue
+        body = _PRED_RE.sub("", m.group(1).strip().lstrip("{").strip())
+        if not body:
+            continue
+        mnemonic = body.split(None, 1)[0].split(".", 1)[0]
+        if _MNEMONIC_RE.match(mnemonic):
+            current.append(mnemonic)
+    return sections

@@ -87,6 +87,17 @@ def test_fwd_sm90_sass_uses_the_hopper_path(report):
         assert not {"C7510", "C7515"} & set(r["ptxas_notes"]), f"{r['uri']}: wgmma serialised {r['ptxas_notes']}"
 
 
+def test_fwd_sm90_main_loops_keep_their_counters_uniform(report):
+    """The consumers' slot, phase and descriptor arithmetic stays in uniform registers: at most a few
+    R2UR between the first and the last wgmma. When ptxas loses the counters' uniformity (it did, for
+    a change of code shape, benchmarks/NOTES-sm90.md version 13) there are 35-86, and the kernels lose
+    2-7% of their speed."""
+    arch, _, rows = report
+    for r in rows:
+        if r["family"] in ("fwd_sm90", "fwd_fp8_sm90", "bwd_sm90"):
+            assert r["r2ur_between_gmmas"] <= 16, f"{r['uri']}: {r['r2ur_between_gmmas']} R2UR in its main loops"
+
+
 def test_fwd_sm90_register_split_fits_the_register_file():
     """setmaxnreg moves registers between warpgroups of one CTA: for each consumer count, the
     producer's and the consumers' budgets must fit 64K registers, in steps of 8 within [24, 256]
