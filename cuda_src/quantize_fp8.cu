@@ -3,9 +3,8 @@
 // the smallest normal float) over each group of rows of a head: the whole head (block == 0,
 // descale (batch, nheads)) or blocks of `block` rows (block == 128 from cuflash: descale (batch,
 // nheads, nblocks), nblocks = ceil(seqlen / block), one scale per block, the last block possibly
-// short). kHadamard first
-// multiplies every row by diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix,
-// headdim == kHeadDim a power of two): the semantics are reference.quantize_fp8's.
+// short). kHadamard first multiplies every row by diag(signs) H / sqrt(headdim) (H the Sylvester
+// Hadamard matrix, headdim == kHeadDim a power of two): the semantics are reference.quantize_fp8's.
 //
 // One CTA per (group, head, batch), writing the group's one descale; one warp per row at a time,
 // lane l holding elements [l * kE, l * kE + kE) (kE = kHeadDim / 32). Two passes over the group's

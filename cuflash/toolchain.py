@@ -17,7 +17,8 @@ see those facts on a CPU-only machine:
 * :func:`parse_ptxas_report` reads ptxas' own ``-v`` report from the NVRTC log
   (pass ``-Xptxas=-v``).  Nothing is estimated: the numbers are the compiler's.
 * :func:`sass_opcode_histogram` runs ``nvdisasm`` on the CUBIN and counts the
-  SASS opcodes of every kernel.
+  SASS opcodes of every kernel; :func:`parse_gmma_span_opcodes` counts those
+  from a kernel's first wgmma to its last (its main loops, on Hopper).
 
 Where the tools come from (all pip wheels, installed by ``pip install "cuflash[test]"``)
 -----------------------------------------------------------------------------------

@@ -331,6 +331,22 @@ def test_parse_sass_opcodes():
     assert hist["bar"] == collections.Counter({"HGMMA": 1, "EXIT": 1})
 
 
+def test_parse_gmma_span_opcodes():
+    text = SASS_TEXT + """//--------------------- .text.loop --------------------------
+\t.section\t.text.loop,"ax",@progbits
+        /*0000*/                   R2UR UR4, R2 ;
+        /*0010*/                   HGMMA.64x64x16.F32 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/                   R2UR UR6, R3 ;
+        /*0030*/              @!P0 QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
+        /*0040*/                   R2UR UR8, R4 ;
+        /*0050*/                   EXIT ;
+"""
+    spans = tc.parse_gmma_span_opcodes(text)
+    assert set(spans) == {"bar", "loop"}  # _Z3fooPf has no wgmma
+    assert spans["bar"] == collections.Counter({"HGMMA": 1})
+    assert spans["loop"] == collections.Counter({"HGMMA": 1, "R2UR": 1, "QGMMA": 1})
+
+
 # ------------------------------------------------------ Ampere: mma/ldmatrix/cp.async
 
 AMPERE_SRC = r"""
