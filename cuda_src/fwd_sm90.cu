@@ -154,6 +154,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr int kQKSteps = kHeadDim * sizeof(T) / 32;  // wgmma k steps of S = Q K^T: 32 bytes each
   constexpr int kPSteps = kBlockN * sizeof(T) / 32;    // and of O += P V
   constexpr int kExpOffset = kFp8 ? 8 : 0;             // P <= 2^8 in e4m3 (online_softmax_row)
+  // FlashAttention-4's stale running maximum (online_softmax_row): a warp skips the O rescale while
+  // no row's maximum rose by more than 2^8. 16-bit only (e4m3's P has no room above its offset's
+  // 2^8), and only without ping-pong: measured +1-4% at head dims 64 and 256, but -2 to -5% at
+  // 128, where ping-pong already hides the multiplies behind the other warpgroup's GEMMs and the
+  // vote lands on the critical path (benchmarks/NOTES-sm90.md, version 20).
+  constexpr int kStaleMax = !kFp8 && !kPingPong ? 8 : 0;
   static_assert(sizeof(TOut) == 2, "O in fp16 / bf16");
   static_assert(kFp8 || sizeof(T) == 2, "fp16 / bf16 / e4m3");
   static_assert((kFp8 ? kHeadDim % 64 : kHeadDim % kAtomElems) == 0 && kHeadDim <= 256,
@@ -501,7 +507,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const float k_descale = kFp8 ? kv_descale(1, n) : 1.f;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset>(
+          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset, kStaleMax>(
               [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf],
               kFp8 ? p.scale_log2 * q_descale[hf] * k_descale : p.scale_log2);
         }
@@ -583,11 +589,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             correction[1] *= ratio;
             o_descale = v_descale;
           }
+          // Warp-uniform: with a stale maximum, skipped while no row of the warp moved.
+          const bool rescale = kStaleMax == 0 || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f);
           wgmma_wait<0>();
           pin_registers(o);
           mbarrier_arrive_warp(v_empty(prev));
+          if (rescale) {
 #pragma unroll
-          for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+            for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+          }
           pack_p();
         }
         const int last = it() % kStages;

@@ -174,6 +174,29 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, causal,
 
 
 @BACKENDS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("rise", [3.0, 24.0])
+def test_running_max_rising_block_by_block(backend, dtype, headdim, rise):
+    """Scores that rise towards the first keys (the kernels walk key blocks from the last) by `rise`
+    log2 units per 128 keys: below fwd_sm90's stale-maximum threshold of 8 (P grows past 1 for a
+    few blocks while O is not rescaled, then the maximum moves) and above it (rescaled every block).
+    A skipped rescale that was needed would be off by a factor of 2^8 or more."""
+    g = torch.Generator(device="cuda").manual_seed(int(rise) * 1000 + headdim)
+    seqlen_q, seqlen_k = 200, 1100
+    score = torch.arange(seqlen_k, 0, -1, device="cuda", dtype=torch.float32) * (rise / 128 * math.log(2))
+    q = 1 + 0.1 * torch.randn(1, seqlen_q, 2, headdim, device="cuda", generator=g)
+    k = (score / math.sqrt(headdim))[None, :, None, None] + 0.1 * torch.randn(1, seqlen_k, 2, headdim, device="cuda",
+                                                                              generator=g)
+    v = torch.randn(1, seqlen_k, 2, headdim, device="cuda", generator=g)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    kw = dict(causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, backend, **kw)
+    out, lse = gpu_attention.run_poisoned(problem, dict(q=q, k=k, v=v), q.shape, (1, 2, seqlen_q), dtype)
+    _check(out, lse, q, k, v, kw)
+
+
+@BACKENDS
 def test_windows_reaching_past_every_key_are_unbounded(backend):
     """Window bounds up to int32's maximum are accepted; the kernels must not overflow on them."""
     g = torch.Generator(device="cuda").manual_seed(7)

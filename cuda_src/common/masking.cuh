@@ -72,7 +72,11 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // puts P in e4m3, whose normal range starts at 2^-6: an offset of 8 keeps more of P's small values
 // normal); the offset cancels in O / rowsum and row_lse removes it. Returns the factor by which the
 // row's O accumulators must be rescaled. scale_log2 > 0: the max commutes with the scale.
-template <int kCols, int kExpOffset = 0, typename Score>
+// kStaleMax > 0 keeps the running maximum until a block's exceeds it by more than kStaleMax (log2
+// units): P is then at most 2^(kExpOffset + kStaleMax), and the correction is exactly 1 for most
+// blocks of a long row, so a caller may skip the O rescale when no row of the warp moved
+// (FlashAttention-4's trick; exact, since O, the sum and the LSE all use the same maximum).
+template <int kCols, int kExpOffset = 0, int kStaleMax = 0, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
   float mx = -infinity();
@@ -81,6 +85,8 @@ __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_ma
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   mx = fmaxf(row_max, mx * scale_log2);
+  // (A row's first key makes mx - row_max = inf; a row with none yet, -inf - -inf = NaN: both move.)
+  if (kStaleMax > 0 && mx - row_max <= static_cast<float>(kStaleMax)) mx = row_max;
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
   const float m = mx == -infinity() ? 0.f : mx;
   const float correction = ex2(row_max - m);
