@@ -450,12 +450,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       float s[kSAcc];
       unsigned pa[kPSteps][4];
       // e4m3: the descale of tensor `which` (q, k, v) for this tile's batch, head `head` and block
-      // of 128 rows `block` (FwdSm90Params); k's and v's of key block n (kBlockN is 128).
+      // of 128 rows `block` (FwdSm90Params); k's and v's of key block n (kBlockN is 128). The kv
+      // head is divided out once a tile (it was a division a block), and a block's k and v descales
+      // are loaded before its barrier waits, so the loads' latency hides behind them and the GEMMs.
       auto descale = [&](int which, int head, int block) {
         return p.descale[which][t.b * p.descale_stride_b[which] + head * p.descale_stride_h[which] +
                                 block * p.descale_stride_block[which]];
       };
-      auto kv_descale = [&](int which, int n) { return descale(which, t.h / p.group, n); };
+      const int h_kv = t.h / p.group;
+      auto kv_descale = [&](int which, int n) { return kFp8 ? descale(which, h_kv, n) : 1.f; };
       if constexpr (kFp8) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -485,7 +488,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       };
 
       // Softcap, mask and online softmax of block n in s; returns each row's O rescale factor.
-      auto softmax = [&](int n, float (&correction)[2]) {
+      auto softmax = [&](int n, float k_descale, float (&correction)[2]) {
         if constexpr (kSoftcap) {
 #pragma unroll
           for (int i = 0; i < kSAcc; ++i) s[i] = softcap_score(s[i], p.softcap_exp2_scale, p.softcap);
@@ -504,7 +507,6 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
               }
           }
         }
-        const float k_descale = kFp8 ? kv_descale(1, n) : 1.f;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset, kStaleMax>(
@@ -549,6 +551,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);
       } else {
         // First block: S, softmax, P (O is still zero: no rescale).
+        const float k_descale_top = kv_descale(1, n_top - 1);
+        if constexpr (kFp8) o_descale = kv_descale(2, n_top - 1);
         mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
         turn_begin();
         wgmma_fence();
@@ -559,12 +563,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_arrive_warp(k_empty(it() % kStages));
         {
           float correction[2];
-          softmax(n_top - 1, correction);
+          softmax(n_top - 1, k_descale_top, correction);
         }
-        if constexpr (kFp8) o_descale = kv_descale(2, n_top - 1);
         pack_p();
 
         for (int n = n_top - 2; n >= t.kb.n_min; --n) {
+          const float k_descale = kv_descale(1, n), v_descale = kv_descale(2, n);
           const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
           progress += 2;
           const int slot = it() % kStages;
@@ -579,9 +583,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           pin_registers(s);
           mbarrier_arrive_warp(k_empty(slot));
           float correction[2];
-          softmax(n, correction);
+          softmax(n, k_descale, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
-            const float v_descale = kv_descale(2, n);
             // Exactly 1 when the descale does not change (per-head descales: every block), so that
             // the rounding of a division does not compound over the blocks.
             const float ratio = v_descale == o_descale ? 1.f : __fdividef(o_descale, v_descale);
