@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
           Wgmma<T, kBlockN>::ss(s, desc_q + k_major_step(kk, kBlockM),
-                                desc_k + ((slot * kKBytes) >> 4) + k_major_step(kk, kBlockN), kk > 0);
+                                desc_k + slot * (kKBytes >> 4) + k_major_step(kk, kBlockN), kk > 0);
         }
         wgmma_commit();
       };
@@ -479,9 +479,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
           if constexpr (kFp8) {
-            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + ((slot * kVBytes + kk * 32) >> 4), 1);
+            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (32 >> 4), 1);
           } else {
-            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + ((slot * kVBytes + kk * 2048) >> 4), 1);
+            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }
         }
         wgmma_commit();
