@@ -67,8 +67,9 @@ struct FwdSm90Params {
   int blocks_m;            // row blocks per (batch, head): ceil(seqlen_q / kBlockM)
   int num_tiles;           // blocks_m * nheads * batch
   int counter_slot;        // which tile counter this launch uses (see tile_counters)
+  FastDivisor blocks_m_div, nheads_div, group_div;  // for the tile index's and the kv head's divisions
 };
-static_assert(sizeof(FwdSm90Params) == 576, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
 // Where the epilogue puts O before its 16-byte row stores: a tile of its own, Q's tile (when shared
 // memory has no room for another; Q is then released only after the stores), or nowhere: stored
@@ -110,10 +111,10 @@ struct Tile {
 template <int kBlockM, int kBlockN, bool kVarlen>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
-  const int m_block = p.blocks_m - 1 - index % p.blocks_m;  // latest row block first
-  const int hb = index / p.blocks_m;
-  t.h = hb % p.nheads;
-  t.b = hb / p.nheads;
+  const int hb = fast_div(index, p.blocks_m_div);
+  const int m_block = p.blocks_m - 1 - (index - hb * p.blocks_m);  // latest row block first
+  t.b = fast_div(hb, p.nheads_div);
+  t.h = hb - t.b * p.nheads;
   t.m0 = m_block * kBlockM;
   t.seqlen_q = p.seqlen_q;
   t.seqlen_k = p.seqlen_k;
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         index = next_tile();
         continue;
       }
-      const int h_kv = t.h / p.group;
+      const int h_kv = fast_div(t.h, p.group_div);
       auto load = [&](unsigned dst, const TmaMap* map, unsigned bar, int head, int row, int rows) {
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         return p.descale[which][t.b * p.descale_stride_b[which] + head * p.descale_stride_h[which] +
                                 block * p.descale_stride_block[which]];
       };
-      const int h_kv = t.h / p.group;
+      const int h_kv = fast_div(t.h, p.group_div);
       auto kv_descale = [&](int which, int n) { return kFp8 ? descale(which, h_kv, n) : 1.f; };
       if constexpr (kFp8) {
 #pragma unroll

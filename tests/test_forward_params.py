@@ -1,5 +1,8 @@
 """What the forward launchers put in the kernels' parameter structs (no GPU needed)."""
 import math
+import random
+
+import pytest
 
 from cuflash import arrays
 from cuflash.kernels import forward
@@ -28,3 +31,24 @@ def test_softmax_constants_fold_log2e_and_the_softcap_scale():
     s = 7.0
     assert math.isclose(softcap * (1 - 2 / (2 ** (exp2_scale * s) + 1)), 30.0 * math.tanh(s * 0.125 / 30.0),
                         rel_tol=1e-12)
+
+
+def _fast_div(n, mul, shift):
+    """fast_div of cuda_src/common/types.cuh, in Python integers."""
+    return (n * mul >> 32) >> shift if mul else n
+
+
+def test_fast_divisor_divides_exactly_over_the_int32_range():
+    from cuflash.kernels import fast_divisor
+    rng = random.Random(0)
+    divisors = [*range(1, 300), 2**16 - 1, 2**16, 2**16 + 1, 641, 6700417, 2**30 + 3, 2**31 - 1]
+    divisors += [rng.randrange(2, 2**31) for _ in range(200)]
+    for d in divisors:
+        mul, shift = fast_divisor(d)
+        assert 0 <= mul < 2**32 and 0 <= shift < 32
+        near = [k * d + r for k in (0, 1, 2, (2**31 - 1) // d) for r in (-1, 0, 1)]
+        for n in [0, 1, 2**31 - 1, *near, *(rng.randrange(2**31) for _ in range(200))]:
+            if 0 <= n < 2**31:
+                assert _fast_div(n, mul, shift) == n // d, (n, d)
+    with pytest.raises(ValueError):
+        fast_divisor(0)

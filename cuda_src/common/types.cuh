@@ -33,6 +33,18 @@ __device__ __forceinline__ unsigned pack4_e4m3(float a, float b, float c, float 
   return static_cast<unsigned>(e4m3x2(b, a)) | (static_cast<unsigned>(e4m3x2(d, c)) << 16);
 }
 
+// n / d for 0 <= n < 2^31 without a division: q = umulhi(n, mul) >> shift with mul = ceil(2^p / d),
+// p = 31 + ceil(log2 d), shift = p - 32 (exact over that range; mul = 0 stands for d = 1). The host
+// computes the pair (cuflash/kernels/__init__.py, fast_divisor); a runtime integer division costs
+// ~20 instructions and an SFU reciprocal on the way.
+struct FastDivisor {
+  unsigned mul;
+  int shift;
+};
+__device__ __forceinline__ int fast_div(int n, FastDivisor d) {
+  return d.mul ? static_cast<int>(__umulhi(static_cast<unsigned>(n), d.mul) >> d.shift) : n;
+}
+
 // Load kN consecutive 16-bit elements as floats with the widest access kN allows: one 16-byte
 // load for 8 elements (the caller guarantees 16-byte alignment), element-wise otherwise.
 template <int kN, typename T>

@@ -84,6 +84,17 @@ def cxx_bool(flag: bool) -> str:
     return "true" if flag else "false"
 
 
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(mul, shift) for the kernels' fast_div (cuda_src/common/types.cuh): n // d for 0 <= n < 2**31
+    as umulhi(n, mul) >> shift, mul = ceil(2**p / d), p = 31 + ceil(log2(d)); (0, 0) for d = 1."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_divisor: {d} is not a divisor in [1, 2**31)")
+    if d == 1:
+        return 0, 0
+    p = 31 + (d - 1).bit_length()
+    return -(-(1 << p) // d), p - 32
+
+
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 

@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, tma
-from . import CXX_TYPES, Family, Variant, compiled_headdim, cxx_bool, require_rows_aligned
+from . import CXX_TYPES, Family, Variant, compiled_headdim, cxx_bool, fast_divisor, require_rows_aligned
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
@@ -102,9 +102,11 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "group", "headdim", "window_left",
                                             "window_right")]
            + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
-           + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")])
-FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 576})
-assert FWD_SM90_PARAMS.fields["counter_slot"][1] == 564, "keep in step with FwdSm90Params"
+           + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")]
+           + [(f"{name}_{part}", t) for name in ("blocks_m", "nheads", "group")  # FastDivisor pairs
+              for part, t in (("mul", np.uint32), ("shift", np.int32))])
+FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 640})
+assert FWD_SM90_PARAMS.fields["group_shift"][1] == 588, "keep in step with FwdSm90Params"
 PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
 
 
@@ -308,7 +310,8 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
                  out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
                  problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
                  *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,
-                 next(_counter_slots))
+                 next(_counter_slots), *fast_divisor(blocks_m), *fast_divisor(problem.nheads),
+                 *fast_divisor(problem.nheads // problem.nheads_kv))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = min(num_tiles, sm_count) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
