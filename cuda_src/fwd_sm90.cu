@@ -656,14 +656,25 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     }
     if constexpr (kOStage != kOStageDirect) {
       named_barrier_sync(kEpilogueBarrier + e_wg, 128);
-      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-#pragma unroll 4
-      for (int idx = et % 128; idx < 64 * kChunks; idx += 128) {
-        const int r = idx / kChunks, c = idx % kChunks;
-        const int row = te.m0 + e_wg * 64 + r;
-        if (row < te.seqlen_q && c * 8 < p.headdim) {
-          *reinterpret_cast<uint4*>(o_base + row * p.o_stride_s + c * 8) =
-              ld_shared_v4(stage + (c / 8) * kBlockM * 128 + sw128_offset(r, c % 8));
+      // Each thread keeps one 16-byte chunk column c of the rows and steps down them kRowsPerPass at
+      // a time, so a chunk costs a bounds test, a load and a store: with the row and column derived
+      // from a running index (signed divisions and swizzle arithmetic), it was ~40 instructions.
+      // A row's kChunks are spread over a power-of-two number of threads (head dim 192: 24 of 32).
+      constexpr unsigned kChunks = kHeadDim / 8;  // 16-byte chunks per row
+      constexpr unsigned kChunkThreads = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+      constexpr unsigned kRowsPerPass = 128 / kChunkThreads;
+      const unsigned c = static_cast<unsigned>(et) % kChunkThreads;
+      const unsigned r0 = static_cast<unsigned>(et) % 128 / kChunkThreads;
+      const int row0 = te.m0 + e_wg * 64 + static_cast<int>(r0);
+      if (c < kChunks && static_cast<int>(c * 8) < p.headdim) {
+        TOut* dst = o_base + row0 * p.o_stride_s + c * 8;
+        const unsigned src = stage + (c / 8) * kBlockM * 128;
+#pragma unroll
+        for (unsigned i = 0; i < 64 / kRowsPerPass; ++i) {
+          const unsigned r = r0 + i * kRowsPerPass;
+          if (row0 + static_cast<int>(i * kRowsPerPass) < te.seqlen_q) {
+            st_global_v4(dst + i * kRowsPerPass * p.o_stride_s, ld_shared_v4(src + sw128_offset(r, c % 8)));
+          }
         }
       }
     }

@@ -81,6 +81,12 @@ __device__ __forceinline__ unsigned ld_shared_b32(unsigned addr) {
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+// 16 bytes to global memory in one store (ptr 16-byte aligned): written as C++, a uint4 store
+// through a pointer stepped in a loop came out as four 4-byte stores.
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
@@ -169,8 +175,8 @@ __device__ __forceinline__ void bulk_wait() {
 // Byte offset of 16-byte chunk `chunk` (0..7) of 128-byte row `row` in a tile of such rows that
 // starts on a 1024-byte boundary, in TMA's and wgmma's 128-byte swizzle (chunk c of row r sits at
 // c ^ (r % 8)).
-__device__ __forceinline__ unsigned sw128_offset(int row, int chunk) {
-  return static_cast<unsigned>(row * 128 + ((chunk ^ (row % 8)) << 4));
+__device__ __forceinline__ unsigned sw128_offset(unsigned row, unsigned chunk) {
+  return row * 128 + ((chunk ^ (row % 8)) << 4);
 }
 // Descriptor offset (16-byte units) of k step kk (32 bytes of each row) in a K-major tile of 128-byte
 // swizzle atoms of `rows` rows each: 4 steps an atom.
