@@ -46,7 +46,7 @@ struct FwdParams {
 static_assert(sizeof(FwdParams) == 208, "FwdParams must match FWD_PARAMS in cuflash/kernels/fwd_sm80.py");
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kVarlen,
-          bool kSoftcap>
+          bool kSoftcap, bool kFusedPV>
 __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant__ FwdParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const T* __restrict__ k = static_cast<const T*>(p.k);
@@ -225,13 +225,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
     }
 
     // Online softmax, per row (a row's 8-column slices are spread over the 4 threads of a quad).
+    // kFusedPV: only the maxima and the rescale here; each 16-key slice's exponentials are taken
+    // right before its P V MMAs below, so S's registers free as P V runs (on H100 +4-5% at head dim
+    // 128, benchmarks/NOTES-sm80.md; where that schedule spills, the variant table turns it off).
+    float base[kMTiles][2];  // kFusedPV: each row's exponent base
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const float correction = online_softmax_row<2 * kNTiles>(
-            [&](int c) -> float& { return s[mt][c / 2][hf * 2 + c % 2]; }, row_max[mt][hf], row_sum[mt][hf],
-            scale_log2);
+        auto score = [&](int c) -> float& { return s[mt][c / 2][hf * 2 + c % 2]; };
+        float correction;
+        if constexpr (kFusedPV) {
+          correction = online_softmax_max<2 * kNTiles>(score, row_max[mt][hf], scale_log2, base[mt][hf]);
+          row_sum[mt][hf] *= correction;
+        } else {
+          correction = online_softmax_row<2 * kNTiles>(score, row_max[mt][hf], row_sum[mt][hf], scale_log2);
+        }
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           acc_o[mt][dt][hf * 2] *= correction;
@@ -239,18 +248,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         }
       }
 
-    // P in 16 bits, packed once: the S accumulators of n8 tiles 2t and 2t+1 are exactly the A
-    // fragment of k16 step t. Packing up front halves what PV keeps live (the floats die here).
-    unsigned pa[kMTiles][kBlockN / 16][4];
+    // P in 16 bits: the S accumulators of n8 tiles 2t and 2t+1 are exactly the A fragment of k16
+    // step t. Without kFusedPV packed here, all at once (the floats die here, halving what P V keeps
+    // live); with it, slice by slice below.
+    auto pack_slice = [&](int mt, int kt, unsigned (&pa)[4]) {
+      pa[0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+      pa[1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+      pa[2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+      pa[3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+    };
+    unsigned pa_all[kFusedPV ? 1 : kMTiles][kFusedPV ? 1 : kBlockN / 16][4];
+    if constexpr (!kFusedPV) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int kt = 0; kt < kBlockN / 16; ++kt) {
-        pa[mt][kt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
-        pa[mt][kt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
-        pa[mt][kt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
-        pa[mt][kt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
-      }
+        for (int kt = 0; kt < kBlockN / 16; ++kt) pack_slice(mt, kt, pa_all[mt][kt]);
+    }
 
     if constexpr (kStages == 1) {
       cp_async_wait<0>();
@@ -264,12 +277,28 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
     // O += P V
 #pragma unroll
     for (int kt = 0; kt < kBlockN / 16; ++kt) {
+      unsigned pa[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if constexpr (kFusedPV) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {  // n8 tiles 2kt and 2kt+1, rows hf = (e / 2) % 2
+            float& x = s[mt][2 * kt + e / 4][e % 4];
+            x = ex2(fmaf(x, scale_log2, -base[mt][(e / 2) % 2]));
+            row_sum[mt][(e / 2) % 2] += x;
+          }
+          pack_slice(mt, kt, pa[mt]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) pa[mt][r] = pa_all[mt][kt][r];
+        }
+      }
 #pragma unroll
       for (int dt2 = 0; dt2 < kDTiles / 2; ++dt2) {
         unsigned bv[4];
         ldmatrix_x4_trans(bv, v_lds + buffer + (kt * 16 * kStride + dt2 * 16) * 2);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) mma_16816_x2<T>(acc_o[mt][2 * dt2], acc_o[mt][2 * dt2 + 1], pa[mt][kt], bv);
+        for (int mt = 0; mt < kMTiles; ++mt) mma_16816_x2<T>(acc_o[mt][2 * dt2], acc_o[mt][2 * dt2 + 1], pa[mt], bv);
       }
     }
   }

@@ -65,19 +65,20 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 }
 
 // One row's online-softmax step over the kCols scores this thread holds of it (score(c) is a
-// reference to column c's; the row's other columns are held by the rest of the quad): the new
-// running maximum, the exponentials in place, the running sum. row_max is kept in the log2 domain
-// (scores times scale_log2), so the scale may change from block to block (FP8's per-block
-// descales). The exponentials are those of (score - max) + kExpOffset: at most 2^kExpOffset (FP8
-// puts P in e4m3, whose normal range starts at 2^-6: an offset of 8 keeps more of P's small values
-// normal); the offset cancels in O / rowsum and row_lse removes it. Returns the factor by which the
-// row's O accumulators must be rescaled. scale_log2 > 0: the max commutes with the scale.
+// reference to column c's; the row's other columns are held by the rest of the quad), in two parts.
+// online_softmax_max: the new running maximum (kept in the log2 domain, scores times scale_log2, so
+// the scale may change from block to block: FP8's per-block descales) and the base of the
+// exponentials; returns the factor by which the row's O accumulators and sum must be rescaled.
+// online_softmax_row: that, then the exponentials in place and the running sum. The exponentials are
+// those of (score - max) + kExpOffset: at most 2^kExpOffset (FP8 puts P in e4m3, whose normal range
+// starts at 2^-6: an offset of 8 keeps more of P's small values normal); the offset cancels in O /
+// rowsum and row_lse removes it. scale_log2 > 0: the max commutes with the scale.
 // kStaleMax > 0 keeps the running maximum until a block's exceeds it by more than kStaleMax (log2
 // units): P is then at most 2^(kExpOffset + kStaleMax), and the correction is exactly 1 for most
 // blocks of a long row, so a caller may skip the O rescale when no row of the warp moved
 // (FlashAttention-4's trick; exact, since O, the sum and the LSE all use the same maximum).
-template <int kCols, int kExpOffset = 0, int kStaleMax = 0, typename Score>
-__device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
+template <int kCols, int kStaleMax = 0, typename Score>
+__device__ __forceinline__ float online_softmax_max(Score&& score, float& row_max, float scale_log2, float& base) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
   float mx = -infinity();
 #pragma unroll
@@ -88,9 +89,16 @@ __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_ma
   // (A row's first key makes mx - row_max = inf; a row with none yet, -inf - -inf = NaN: both move.)
   if (kStaleMax > 0 && mx - row_max <= static_cast<float>(kStaleMax)) mx = row_max;
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
-  const float m = mx == -infinity() ? 0.f : mx;
-  const float correction = ex2(row_max - m);
+  base = mx == -infinity() ? 0.f : mx;
+  const float correction = ex2(row_max - base);
   row_max = mx;
+  return correction;
+}
+
+template <int kCols, int kExpOffset = 0, int kStaleMax = 0, typename Score>
+__device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
+  float m;
+  const float correction = online_softmax_max<kCols, kStaleMax>(score, row_max, scale_log2, m);
   const float base = m - kExpOffset;
   float sum = 0.f;
 #pragma unroll

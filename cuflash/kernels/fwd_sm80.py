@@ -37,6 +37,14 @@ TILES = {
 # Varlen's per-sequence offsets cost a few registers more: where that tips a tile into spilling.
 VARLEN_TILES = {128: ((128, 48, 4, 1), (64, 64, 4, 1))}
 
+# P V fused with the softmax's exponentials, a 16-key slice at a time (kFusedPV in the kernel): S's
+# registers free as P V runs. Measured on H100 only (hdim 128: 0.95-0.98 -> 1.00-1.04x FA2, hdim 64
+# +0.5-1%; benchmarks/NOTES-sm80.md), so only there; and not where ptxas then spills on sm_90a
+# (hdim 128 with varlen or softcap; the offline report checks every variant).
+def _fused_pv(compute_capability: tuple[int, int], headdim: int, varlen: bool, softcap: bool) -> bool:
+    return tuple(compute_capability) == (9, 0) and not (headdim == 128 and (varlen or softcap))
+
+
 # Opt-in shared memory per block by compute capability (CUDA programming guide); a GPU not listed
 # gets the smallest, and at run time the device's own attribute decides.
 SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
@@ -70,6 +78,7 @@ class FwdSm80Variant(Variant):
     stages: int  # K/V buffers: 1 (loads overlap half a block each) or 2 (a whole block, 2x shared memory)
     varlen: bool
     softcap: bool
+    fused_pv: bool  # each 16-key slice's exponentials taken right before its P V (see _fused_pv)
 
     def check(self) -> None:
         if self.dtype not in CXX_TYPES:
@@ -93,7 +102,7 @@ class FwdSm80Variant(Variant):
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_TYPES[self.dtype], str(self.headdim), str(self.block_m), str(self.block_n), str(self.warps),
-                str(self.stages), cxx_bool(self.varlen), cxx_bool(self.softcap))
+                str(self.stages), cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.fused_pv))
 
 
 # Set by benchmarks/bench_fwd.py --tiles, before the first call, to time other rows of the table
@@ -116,7 +125,8 @@ def _tiles(headdim: int, varlen: bool, smem_limit: int) -> tuple[int, int, int, 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm80Variant, ...]:
     limit = SMEM_OPTIN.get(tuple(compute_capability), SMEM_OPTIN_DEFAULT)
-    return tuple(FwdSm80Variant(dtype, hd, *_tiles(hd, varlen, limit), varlen, softcap)
+    return tuple(FwdSm80Variant(dtype, hd, *_tiles(hd, varlen, limit), varlen, softcap,
+                                _fused_pv(compute_capability, hd, varlen, softcap))
                  for dtype in sorted(CXX_TYPES) for hd in HEADDIMS for varlen in (False, True)
                  for softcap in (False, True))
 
@@ -127,7 +137,9 @@ def select(problem, inputs) -> FwdSm80Variant:
     check_grid_yz("fwd_sm80", problem.nheads, problem.batch)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
     tiles = _tiles(headdim, problem.varlen, int(jit.device_properties(problem.device.index)["sharedMemPerBlockOptin"]))
-    return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0)
+    softcap = problem.softcap > 0
+    fused_pv = _fused_pv(jit.device_compute_capability(problem.device.index), headdim, problem.varlen, softcap)
+    return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, softcap, fused_pv)
 
 
 def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
