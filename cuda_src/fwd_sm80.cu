@@ -282,10 +282,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
       for (int mt = 0; mt < kMTiles; ++mt) {
         if constexpr (kFusedPV) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {  // n8 tiles 2kt and 2kt+1, rows hf = (e / 2) % 2
-            float& x = s[mt][2 * kt + e / 4][e % 4];
-            x = ex2(fmaf(x, scale_log2, -base[mt][(e / 2) % 2]));
-            row_sum[mt][(e / 2) % 2] += x;
+          for (int hf = 0; hf < 2; ++hf) {  // the row's 4 columns of n8 tiles 2kt and 2kt+1
+            online_softmax_exp<4>([&](int c) -> float& { return s[mt][2 * kt + c / 2][hf * 2 + c % 2]; }, scale_log2,
+                                  base[mt][hf], row_sum[mt][hf]);
           }
           pack_slice(mt, kt, pa[mt]);
         } else {
