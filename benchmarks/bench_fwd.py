@@ -42,8 +42,9 @@ def main(argv=None) -> int:
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
                                         for hd, t in (item.split(":") for item in s.split(","))})
     parser.add_argument("--sm90-tiles", default=None, help="fwd_sm90 tiles to time instead of the table's, "
-                        "e.g. 64:3x128x2x1 (headdim:consumers x block_n x stages x pingpong)",
-                        type=lambda s: {int(hd): tuple(int(x) for x in t.split("x")[:3]) + (bool(int(t.split("x")[3])),)
+                        "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x pingpong x overlap_pv)",
+                        type=lambda s: {int(hd): tuple(int(x) for x in t.split("x")[:3]) +
+                                        tuple(bool(int(x)) for x in t.split("x")[3:5])
                                         for hd, t in (item.split(":") for item in s.split(","))})
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")

@@ -20,9 +20,15 @@
 //                 packed to 16 bits (e4m3: 8) in registers and O += P V is a wgmma with A from
 //                 registers and V MN-major from shared memory (e4m3: V^T K-major, which producer
 //                 warps 1..3 transpose from a staging slot; see kTransposeWarps).
-// Within a consumer, block j's softmax overlaps block j-1's P V: S(j) and PV(j-1) are issued
-// back to back and the warpgroup waits only for S(j) before the softmax, then for PV(j-1) before
-// rescaling O and packing the new P (the P registers are read by PV(j-1) until then).
+// Within a consumer, S(j) and PV(j-1) are issued back to back and the warpgroup waits only for S(j)
+// before the softmax, then for PV(j-1) before rescaling O and packing the new P (the P registers
+// are read by PV(j-1) until then). ptxas schedules within a basic block: with the second wait at
+// the bottom of the loop it hoists the wait, and the packing of P that depends on it, above the
+// softmax's exponentials, so PV(j-1) overlaps only the row maxima of block j (but the packing then
+// interleaves with the exponentials, and V's slot is released a softmax sooner). kOverlapPV puts
+// the wait, the rescale and the packing at the top of the next iteration instead, where the loop's
+// back edge keeps the whole softmax of block j above them: a table choice per row (TILES in
+// cuflash/kernels/fwd_sm90.py; benchmarks/NOTES-sm90.md, version 26).
 // With kPingPong the consumers take turns, round robin, to issue their GEMMs (one named barrier
 // each), so one warpgroup's softmax runs while the tensor cores work through another's GEMMs.
 // Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
@@ -131,7 +137,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
-          int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy>
+          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
@@ -551,7 +557,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_end(true);
         if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);
       } else {
-        // First block: S, softmax, P (O is still zero: no rescale).
+        // First block: S and softmax (O is still zero: not rescaled after it, or by its correction, 0).
         const float k_descale_top = kv_descale(1, n_top - 1);
         if constexpr (kFp8) o_descale = kv_descale(2, n_top - 1);
         mbarrier_wait(k_full(it() % kStages), (it() / kStages) & 1);
@@ -562,14 +568,32 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_wait<0>();
         pin_registers(s);
         mbarrier_arrive_warp(k_empty(it() % kStages));
-        {
-          float correction[2];
-          softmax(n_top - 1, k_descale_top, correction);
-        }
-        pack_p();
+        float correction[2];
+        softmax(n_top - 1, k_descale_top, correction);
+        // The end of P V(n + 1): wait for it, release its V slot (v_slot < 0: none), rescale O (when
+        // `rescale_o`) and pack block n's P. At the bottom of iteration n, or (kOverlapPV) at the
+        // top of iteration n - 1 (see the top of this file).
+        auto finish_pv = [&](int v_slot, bool rescale_o) {
+          wgmma_wait<0>();
+          pin_registers(o);
+          if (v_slot >= 0) mbarrier_arrive_warp(v_empty(v_slot));
+          if (rescale_o) {
+#pragma unroll
+            for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+          }
+          pack_p();
+          pin_registers(o);  // written before the next wgmma's fence, not sunk past it
+          pin_registers(pa);
+        };
+        // O's rescale, warp-uniform: with a stale maximum, skipped while no row of the warp moved.
+        // Not after the first block, where O is zero (kOverlapPV multiplies it, by 0: no branch).
+        bool rescale = kOverlapPV && kStaleMax == 0;
+        int pv_slot = -1;  // kOverlapPV: the V slot of the P V in flight (none before the second block)
+        if constexpr (!kOverlapPV) pack_p();
 
         for (int n = n_top - 2; n >= t.kb.n_min; --n) {
           const float k_descale = kv_descale(1, n), v_descale = kv_descale(2, n);
+          if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
           const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
           progress += 2;
           const int slot = it() % kStages;
@@ -580,10 +604,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           issue_qk(slot);
           issue_pv(prev);
           turn_end(false);
+          pv_slot = prev;
           wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
           pin_registers(s);
           mbarrier_arrive_warp(k_empty(slot));
-          float correction[2];
           softmax(n, k_descale, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
             // Exactly 1 when the descale does not change (per-head descales: every block), so that
@@ -593,17 +617,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             correction[1] *= ratio;
             o_descale = v_descale;
           }
-          // Warp-uniform: with a stale maximum, skipped while no row of the warp moved.
-          const bool rescale = kStaleMax == 0 || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f);
-          wgmma_wait<0>();
-          pin_registers(o);
-          mbarrier_arrive_warp(v_empty(prev));
-          if (rescale) {
-#pragma unroll
-            for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
-          }
-          pack_p();
+          rescale = kStaleMax == 0 || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f);
+          if constexpr (!kOverlapPV) finish_pv(prev, rescale);
         }
+        if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
         const int last = it() % kStages;
         mbarrier_wait(v_full(last), (it() / kStages) & 1);
         progress += 2;

@@ -162,7 +162,7 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, causal,
         inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     family, variant = dispatch.plan(problem, {n: arrays.device_array(x) for n, x in inputs.items()})
     assert family.name == "fwd_sm90"
-    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong) == tiles
+    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.overlap_pv) == tiles
     if varlen:
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (4, q.shape[0]), torch.bfloat16)
         out, lse, q, k, v = out[37:][None], lse[:, 37:][None], q[37:][None], k[51:][None], v[51:][None]

@@ -201,11 +201,20 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// The wait names no registers, so without this the compiler may read accumulators before it.
+// The wait and the fence name no registers: without this after a wait the compiler may read
+// accumulators before it, and without this before a fence it may write wgmma operands (rescale O,
+// pack P) after it (ptxas then injects a fence of its own: note C7519).
 template <int kN>
 __device__ __forceinline__ void pin_registers(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int kN, int kM>
+__device__ __forceinline__ void pin_registers(unsigned (&r)[kN][kM]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+#pragma unroll
+    for (int j = 0; j < kM; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
 // ---------------------------------------------------------------- warp specialisation (sections 6, 7)

@@ -27,19 +27,24 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
 FP8_WGMMA_N = (64, 128, 256)
 
-# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong)):
+# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong,
+# overlap_pv)):
 # the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
 # of 64 query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
 # bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
 # offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q
 # and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that
 # fits; up to 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile).
-# pingpong: the consumers take turns issuing GEMMs. Measurements: benchmarks/NOTES-sm90.md.
+# pingpong: the consumers take turns issuing GEMMs. overlap_pv: where a consumer finishes P V of
+# the block before (the kernel's kOverlapPV): after its softmax of the next block (True), or where
+# ptxas puts it, before that softmax's exponentials (False). Measured on H100: True +1.5-3% at head
+# dim 128 from 4k keys, -1 to -2.5% at 128 up to 2k non-causal and at 192, -2-3% at 64 and in
+# e4m3. Measurements: benchmarks/NOTES-sm90.md.
 TILES = {
-    64: ((None, (3, 128, 2, False)),),
-    128: ((2048, (2, 128, 2, True)), (None, (2, 192, 2, True))),
-    192: ((None, (2, 112, 2, True)),),
-    256: ((None, (2, 80, 2, False)),),
+    64: ((None, (3, 128, 2, False, False)),),
+    128: ((2048, (2, 128, 2, True, False)), (None, (2, 192, 2, True, True))),
+    192: ((None, (2, 112, 2, True, False)),),
+    256: ((None, (2, 80, 2, False, False)),),
 }
 # Per compiled head dim, (unmasked, masked): whether each consumer warpgroup passes by the key
 # blocks its own 64 rows do not see (above a causal or window diagonal, or all of them for rows past
@@ -50,14 +55,15 @@ TILES = {
 PASS_BY = {64: (False, True), 128: (True, True), 192: (False, False), 256: (True, True)}
 # Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
 # narrow blocks at 128), where nothing spills.
-SOFTCAP_TILES = {64: (2, 128, 3, True), 128: (2, 128, 2, True), 192: (2, 112, 2, True), 256: (2, 80, 2, False)}
-# e4m3: (consumers, block_n, stages, pingpong) per compiled head dim. block_n is 128: V^T is one
+SOFTCAP_TILES = {64: (2, 128, 3, True, False), 128: (2, 128, 2, True, False), 192: (2, 112, 2, True, False),
+                 256: (2, 80, 2, False, False)}
+# e4m3: (consumers, block_n, stages, pingpong, overlap_pv) per compiled head dim. block_n is 128: V^T is one
 # 128-key swizzle row, and block descales come per 128 keys. Shared memory holds K, V^T and the
 # staged V per stage: at 256, two stages take 224 KiB and O is stored straight from registers; at
 # 128 a third stage measured +3-6% non-causal on H100, O still staged; at 64 (half-filled
 # 128-byte rows) three consumer warpgroups (160 registers each, the producer 32) measured
 # 1.02-1.15x bf16 against 0.80-0.93x with two (benchmarks/NOTES-fp8.md).
-FP8_TILES = {64: (3, 128, 2, False), 128: (2, 128, 3, True), 256: (2, 128, 2, True)}
+FP8_TILES = {64: (3, 128, 2, False, False), 128: (2, 128, 3, True, False), 256: (2, 128, 2, True, False)}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 64 and 256, not measured separately.
 FP8_PASS_BY = {64: (False, True), 128: (False, True), 256: (True, True)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
@@ -65,7 +71,7 @@ FP8_PASS_BY = {64: (False, True), 128: (False, True), 256: (True, True)}
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
 # Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
 # (dispatch remembers each choice); None in normal use.
-tiles_override: dict[int, tuple[int, int, int, bool]] | None = None
+tiles_override: dict[int, tuple[int, int, int, bool, bool]] | None = None
 # The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
 # taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
 # --sm90-grid tiles, to compare the two).
@@ -123,6 +129,7 @@ class FwdSm90Variant(Variant):
     block_n: int
     stages: int
     pingpong: bool  # consumers take turns issuing their GEMMs
+    overlap_pv: bool  # P V of a block is finished after the next block's softmax (TILES)
     varlen: bool
     softcap: bool
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
@@ -173,7 +180,8 @@ class FwdSm90Variant(Variant):
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
-                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), O_STAGE_CXX[self.o_stage],
+                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), cxx_bool(self.overlap_pv),
+                O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by))
 
 
@@ -188,7 +196,7 @@ def _rows(headdim: int, softcap: bool):
     return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
 
-def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool]:
+def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool, bool]:
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
