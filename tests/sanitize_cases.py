@@ -19,8 +19,9 @@ CASES = (("bfloat16", 200, 333, 4, 2, 128, dict(causal=True)), ("float16", 77, 5
          # more tiles than a Hopper has SMs: the persistent fwd_sm90 runs several tiles per CTA
          ("bfloat16", 600, 600, 32, 8, 64, dict(causal=True)), ("float16", 300, 300, 48, 48, 256, {}),
          ("bfloat16", 300, 300, 64, 16, 128, dict(causal=True)),
-         # past 2048 keys: the tile table's long-sequence row at head dim 128
-         ("bfloat16", 300, 2100, 4, 2, 128, dict(causal=True)))
+         # the tile table's rows at head dim 128 past 1024 keys: three consumers (up to 4096), then
+         # two with the P V overlap
+         ("bfloat16", 300, 2100, 4, 2, 128, dict(causal=True)), ("bfloat16", 300, 4200, 4, 2, 128, {}))
 BACKENDS = ["sm80"] + (["sm90"] if cp.cuda.Device().compute_capability == "90" else [])
 for backend in BACKENDS:
     for dtype, sq, sk, h, hkv, d, kw in CASES:

@@ -34,7 +34,8 @@ FP8_WGMMA_N = (64, 128, 256)
 # bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
 # offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q
 # and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that
-# fits; up to 2k keys a narrower one wins (fewer masked columns, less pipeline fill per tile).
+# fits; shorter ones a narrower one (fewer masked columns, less pipeline fill per tile). Head dim 128
+# from 1k to 4k keys: three consumers of 80 keys (each K/V block serves 192 rows; version 27).
 # pingpong: the consumers take turns issuing GEMMs. overlap_pv: where a consumer finishes P V of
 # the block before (the kernel's kOverlapPV): after its softmax of the next block (True), or where
 # ptxas puts it, before that softmax's exponentials (False). Measured on H100: True +1.5-3% at head
@@ -42,7 +43,7 @@ FP8_WGMMA_N = (64, 128, 256)
 # e4m3. Measurements: benchmarks/NOTES-sm90.md.
 TILES = {
     64: ((None, (3, 128, 2, False, False)),),
-    128: ((2048, (2, 128, 2, True, False)), (None, (2, 192, 2, True, True))),
+    128: ((1024, (2, 128, 2, True, False)), (4096, (3, 80, 2, False, False)), (None, (2, 192, 2, True, True))),
     192: ((None, (2, 112, 2, True, False)),),
     256: ((None, (2, 80, 2, False, False)),),
 }
