@@ -24,6 +24,20 @@ def tile_annotation(args):
     return annotate
 
 
+def sm90_tiles(text: str) -> dict[int, tuple[int, int, int, bool, bool]]:
+    """--sm90-tiles: headdim:consumers x block_n x stages x pingpong [x overlap_pv], comma-separated."""
+    rows = {}
+    for item in text.split(","):
+        headdim, fields = item.split(":")
+        values = [int(x) for x in fields.split("x")]
+        if len(values) not in (4, 5):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected consumers x block_n x stages x pingpong "
+                                             "[x overlap_pv]")
+        values += [0] * (5 - len(values))
+        rows[int(headdim)] = (*values[:3], bool(values[3]), bool(values[4]))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -42,10 +56,8 @@ def main(argv=None) -> int:
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
                                         for hd, t in (item.split(":") for item in s.split(","))})
     parser.add_argument("--sm90-tiles", default=None, help="fwd_sm90 tiles to time instead of the table's, "
-                        "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x pingpong x overlap_pv)",
-                        type=lambda s: {int(hd): tuple(int(x) for x in t.split("x")[:3]) +
-                                        tuple(bool(int(x)) for x in t.split("x")[3:5])
-                                        for hd, t in (item.split(":") for item in s.split(","))})
+                        "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x pingpong x overlap_pv; "
+                        "overlap_pv may be left out: 0)", type=sm90_tiles)
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
     parser.add_argument("--extra", default=None, type=lambda s: tuple(x for x in s.split(",") if x),

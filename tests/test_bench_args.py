@@ -1,0 +1,34 @@
+"""benchmarks/bench_fwd.py's --sm90-tiles rows become fwd_sm90 variants field for field."""
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from cuflash.kernels import fwd_sm90
+
+
+def _bench_fwd():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fwd.py"
+    spec = importlib.util.spec_from_file_location("bench_fwd", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sm90_tiles_rows_match_the_table_layout():
+    rows = _bench_fwd().sm90_tiles("128:3x80x2x0x1,64:3x128x2x0")
+    assert rows == {128: (3, 80, 2, False, True), 64: (3, 128, 2, False, False)}
+    for headdim, tiles in rows.items():
+        # the same positions as a TILES row: a variant built from it names the fields it was given
+        variant = fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", headdim, *tiles, False, False, True)
+        variant.check()
+        assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.overlap_pv) == tiles
+    assert all(len(tiles) == 5 for table in (fwd_sm90.SOFTCAP_TILES, fwd_sm90.FP8_TILES) for tiles in table.values())
+    assert all(len(tiles) == 5 for rows in fwd_sm90.TILES.values() for _, tiles in rows)
+
+
+@pytest.mark.parametrize("text", ["64:3x128x2", "64:3x128x2x0x1x1", "64:3xAx2x0"])
+def test_sm90_tiles_refuses_malformed_rows(text):
+    with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+        _bench_fwd().sm90_tiles(text)
