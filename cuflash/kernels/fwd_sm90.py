@@ -314,15 +314,16 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
     out, lse = outputs["out"], outputs["lse"]
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
     descale_ptrs, *descale_strides = _descales(inputs)
+    group = problem.nheads // problem.nheads_kv
     params = np.empty(1, FWD_SM90_PARAMS)
     params[0] = (tensor_map(problem, q, problem.nheads, variant.block_m),
                  tensor_map(problem, k, problem.nheads_kv, variant.block_n),
                  tensor_map(problem, v, problem.nheads_kv, variant.block_n),
                  out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
-                 problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
+                 problem.seqlen_q, problem.seqlen_k, group, problem.headdim,
                  *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,
                  next(_counter_slots), *fast_divisor(blocks_m), *fast_divisor(problem.nheads),
-                 *fast_divisor(problem.nheads // problem.nheads_kv))
+                 *fast_divisor(group))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = min(num_tiles, sm_count) if persistent else num_tiles
     with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
