@@ -33,6 +33,17 @@ def _jax_dtype(name: str):
     return numpy_dtype(name)
 
 
+# XLA's callback buffers offer the CUDA array interface for integer and 16-to-64-bit float types,
+# not for float8: e4m3 arrays cross the callback as their bytes (uint8, a bitcast that costs
+# nothing) and the host path views them as e4m3 again.
+_AS_BYTES = frozenset({"float8_e4m3fn"})
+_BYTES = "uint8"
+
+
+def _bitcast(x, dtype: str):
+    return jax.lax.bitcast_convert_type(x, _jax_dtype(dtype))
+
+
 def _buffer_device(buffer) -> Device:
     """Where a callback buffer lives: XLA chose it at compile time, which a tracer did not know."""
     try:
@@ -65,20 +76,30 @@ def _fold(buffer, lead: int, device: Device):
 
 
 @lru_cache(maxsize=256)
-def _callable(problem: Problem, input_names: tuple[str, ...], outputs: tuple[tuple[str, tuple, str], ...]):
-    """One buffer_callback per distinct call signature, so eager calls reuse XLA's compilation."""
+def _callable(problem: Problem, inputs: tuple[tuple[str, str], ...], outputs: tuple[tuple[str, tuple, str], ...]):
+    """One buffer_callback per distinct call signature, so eager calls reuse XLA's compilation.
+    `inputs` are (name, dtype); dtypes in _AS_BYTES arrive, and are returned, as uint8."""
     from jax.experimental.buffer_callback import buffer_callback
 
-    output_names = tuple(name for name, _, _ in outputs)
-    result_types = tuple(jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for _, shape, dtype in outputs)
+    result_types = tuple(jax.ShapeDtypeStruct(shape, _jax_dtype(_BYTES if dtype in _AS_BYTES else dtype))
+                         for _, shape, dtype in outputs)
     foldable = problem.op in _BATCH_LEADING_OPS
 
     def callback(ctx, outs, *ins):
         device = _buffer_device(outs[0])
         lead = len(ins[0].shape) - _BASE_RANK if foldable else 0  # axes added by jax.vmap
+
+        def arrays(buffers, dtypes):
+            views = {}
+            for (name, dtype), x in zip(dtypes, buffers):
+                x = _fold(x, lead, device)
+                if dtype in _AS_BYTES and not device.is_cuda:  # the reference takes e4m3 arrays
+                    x = np.asarray(x).view(numpy_dtype(dtype))
+                views[name] = x
+            return views
+
         p = dataclasses.replace(problem, device=device, batch=math.prod(ins[0].shape[:lead + 1]))
-        dispatch.execute(p, {n: _fold(x, lead, device) for n, x in zip(input_names, ins)},
-                         {n: _fold(x, lead, device) for n, x in zip(output_names, outs)},
+        dispatch.execute(p, arrays(ins, inputs), arrays(outs, [(name, dtype) for name, _, dtype in outputs]),
                          int(ctx.stream) if device.is_cuda else None)
 
     # broadcast_all: under vmap every input gets the mapped axes (unmapped ones broadcast by XLA).
@@ -88,7 +109,10 @@ def _callable(problem: Problem, input_names: tuple[str, ...], outputs: tuple[tup
 def call(problem: Problem, inputs: dict, outputs: dict[str, tuple]) -> tuple:
     """Run `problem` on JAX arrays or tracers; returns JAX arrays, in the order of `outputs`."""
     spec = tuple((name, tuple(shape), dtype) for name, (shape, dtype) in outputs.items())
-    return tuple(_callable(problem, tuple(inputs), spec)(*inputs.values()))
+    dtypes = {name: str(x.dtype) for name, x in inputs.items()}
+    results = _callable(problem, tuple(dtypes.items()), spec)(
+        *(_bitcast(x, _BYTES) if dtypes[name] in _AS_BYTES else x for name, x in inputs.items()))
+    return tuple(_bitcast(r, dtype) if dtype in _AS_BYTES else r for r, (_, _, dtype) in zip(results, spec))
 
 
 # ----------------------------------------------------------------------------- differentiable
