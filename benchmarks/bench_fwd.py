@@ -18,24 +18,42 @@ from cuflash import bench  # noqa: E402
 
 def tile_annotation(args):
     """The overridden tile row each cuflash implementation ran with, for the row's `tiles` field."""
+    tables = {"cuflash": args.sm90_tiles, "cuflash-sm80": args.tiles, "cuflash-fp8": args.fp8_tiles,
+              "cuflash-fp8-block": args.fp8_tiles}
+
     def annotate(impl: str, config: bench.Config) -> dict:
-        table = args.sm90_tiles if impl == "cuflash" else args.tiles if impl == "cuflash-sm80" else None
+        table = tables.get(impl)
         return dict(tiles=str(table[config.headdim]) if table and config.headdim in table else None)
     return annotate
 
 
-def sm90_tiles(text: str) -> dict[int, tuple[int, int, int, bool, bool]]:
-    """--sm90-tiles: headdim:consumers x block_n x stages x pingpong [x overlap_pv], comma-separated."""
+SM90_FIELDS = ("consumers", "block_n", "stages", "pingpong", "overlap_pv")  # fwd_sm90.TILES' rows
+FP8_FIELDS = SM90_FIELDS + ("v_pretransposed",)  # fwd_sm90.FP8_TILES' rows
+
+
+def _tile_rows(text: str, fields: tuple[str, ...], optional: int) -> dict[int, tuple]:
+    """headdim:f1 x f2 x ..., comma-separated, as table rows: three ints, then flags (0/1); the last
+    `optional` fields may be left out (0)."""
     rows = {}
     for item in text.split(","):
-        headdim, fields = item.split(":")
-        values = [int(x) for x in fields.split("x")]
-        if len(values) not in (4, 5):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected consumers x block_n x stages x pingpong "
-                                             "[x overlap_pv]")
-        values += [0] * (5 - len(values))
-        rows[int(headdim)] = (*values[:3], bool(values[3]), bool(values[4]))
+        headdim, given = item.split(":")
+        values = [int(x) for x in given.split("x")]
+        if not len(fields) - optional <= len(values) <= len(fields):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected {' x '.join(fields)}"
+                                             + (f" (the last {optional} optional)" if optional else ""))
+        values += [0] * (len(fields) - len(values))
+        rows[int(headdim)] = (*values[:3], *(bool(x) for x in values[3:]))
     return rows
+
+
+def sm90_tiles(text: str) -> dict[int, tuple[int, int, int, bool, bool]]:
+    """--sm90-tiles: headdim:consumers x block_n x stages x pingpong [x overlap_pv], comma-separated."""
+    return _tile_rows(text, SM90_FIELDS, optional=1)
+
+
+def fp8_tiles(text: str) -> dict[int, tuple[int, int, int, bool, bool, bool]]:
+    """--fp8-tiles: headdim:consumers x block_n x stages x pingpong x overlap_pv x v_pretransposed."""
+    return _tile_rows(text, FP8_FIELDS, optional=0)
 
 
 def main(argv=None) -> int:
@@ -58,6 +76,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sm90-tiles", default=None, help="fwd_sm90 tiles to time instead of the table's, "
                         "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x pingpong x overlap_pv; "
                         "overlap_pv may be left out: 0)", type=sm90_tiles)
+    parser.add_argument("--fp8-tiles", default=None, help="fwd_fp8_sm90 tiles to time instead of the table's, "
+                        "e.g. 256:2x128x3x1x0x1 (headdim:consumers x block_n x stages x pingpong x overlap_pv x "
+                        "v_pretransposed)", type=fp8_tiles)
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
     parser.add_argument("--extra", default=None, type=lambda s: tuple(x for x in s.split(",") if x),
@@ -73,6 +94,7 @@ def main(argv=None) -> int:
 
         fwd_sm80.tiles_override = args.tiles  # time other rows of the tile tables
         fwd_sm90.tiles_override = args.sm90_tiles
+        fwd_sm90.fp8_tiles_override = args.fp8_tiles
         fwd_sm90.persistent = args.sm90_grid == "sms"
         xp = bench.array_backend()
         print(f"host time per cuflash.attention call (tiny problem): {bench.host_overhead_us(xp):.1f} us", flush=True)

@@ -19,7 +19,8 @@
 //                 swizzle); the online softmax runs on the S accumulators in the log2 domain; P is
 //                 packed to 16 bits (e4m3: 8) in registers and O += P V is a wgmma with A from
 //                 registers and V MN-major from shared memory (e4m3: V^T K-major, which producer
-//                 warps 1..3 transpose from a staging slot; see kTransposeWarps).
+//                 warps 1..3 transpose from a staging slot, see kTransposeWarps; or, with
+//                 kVPreTransposed, which TMA loads from a V^T the launcher wrote beforehand).
 // Within a consumer, S(j) and PV(j-1) are issued back to back and the warpgroup waits only for S(j)
 // before the softmax, then for PV(j-1) before rescaling O and packing the new P (the P registers
 // are read by PV(j-1) until then). ptxas schedules within a basic block: with the second wait at
@@ -52,6 +53,7 @@ namespace cuflash {
 // cuflash/kernels/fwd_sm90.py.
 struct FwdSm90Params {
   TmaMap q_map, k_map, v_map;  // dense: rank 4 {dim, heads, seqlen, batch}; varlen: rank 3 {dim, heads, total}
+                               // (e4m3 kVPreTransposed: v_map over V^T, {keys, dim, heads, batch})
   void* out;
   float* lse;
   const int* cu_seqlens_q;  // varlen only
@@ -84,15 +86,18 @@ static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_P
 enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2 };
 
 // e4m3 (FP8): both wgmma operands must be K-major, and for O += P V the K dimension is the keys,
-// so V is transposed in shared memory: TMA brings each V block into a staging slot, warps 1..3 of
-// the producer warpgroup write it transposed into the V slot the consumers read, and P's columns
-// are permuted on the way (below). Per (batch, head) or per-128-row descales scale the scores
+// so V is transposed: in shared memory (TMA brings each V block into a staging slot, warps 1..3 of
+// the producer warpgroup write it transposed into the V slot the consumers read), or beforehand by
+// a kernel of its own into a V^T that TMA loads like K (kVPreTransposed: where V blocks serve
+// enough query rows to pay for the extra pass, FP8_TILES in cuflash/kernels/fwd_sm90.py). P's
+// columns are permuted on the way (below). Per (batch, head) or per-128-row descales scale the scores
 // (q's and k's fold into the softmax scale) and O (v's: O is kept in units of the current
 // block's v descale, rescaled with the softmax correction when the block's scale changes).
 constexpr int kTransposeWarps = 3;
 // P's e4m3 A operand holds, in each group of 16 keys, position 4c + q the key 2c + (q & 1) +
 // 8 (q >> 1): the accumulator registers then pack straight into A registers (no shuffles), and
-// the transpose stores key 16g + that at position 16g + 4c + q (shared/notes/hopper.md section 8).
+// the transpose (either) stores key 16g + that at position 16g + 4c + q (shared/notes/hopper.md
+// section 8).
 
 constexpr int kSchedulerBarrier = 1;  // named barriers 1..3: the ping-pong turn of each consumer
 constexpr int kEpilogueBarrier = 4;   // named barriers 4..6: one consumer's O staging
@@ -137,13 +142,16 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
-          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy>
+          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kVPreTransposed>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
+  // e4m3 with V as the caller passed it: producer warps 1..3 transpose each block in shared memory.
+  // With kVPreTransposed, v_map describes V^T (cuda_src/transpose_v_fp8.cu) and TMA loads it.
+  constexpr bool kTranspose = kFp8 && !kVPreTransposed;
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
   constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
   // The tile hand-off: the consumers, the producer's warp 0 and (e4m3) its transposing warps.
-  constexpr int kTileBarrierThreads = 128 * kConsumers + 32 + (kFp8 ? 32 * kTransposeWarps : 0);
+  constexpr int kTileBarrierThreads = 128 * kConsumers + 32 + (kTranspose ? 32 * kTransposeWarps : 0);
   using Split = RegisterSplit<kConsumers>;
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
                 "the registers the launch gives the CTA");
@@ -154,7 +162,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr unsigned kQBytes = kBlockM * kAtoms * 128;
   constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // a K slot, a 16-bit V slot, an e4m3 staging slot
   constexpr unsigned kVBytes = kFp8 ? kHeadDim * kBlockN : kKBytes;  // a V slot (e4m3: V^T, kHeadDim rows)
-  constexpr unsigned kVStagingBytes = kFp8 ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
+  constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
   constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
@@ -174,6 +182,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
   static_assert(!kFp8 || kBlockN == 128, "e4m3: V^T is one 128-key swizzle row; descales come per 128 keys");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
+  static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
   static_assert(kFp8 ? kOStage != kOStageInQ : kOStage != kOStageDirect, "16-bit O is staged; e4m3's O outsizes Q");
   static_assert(kStages >= 1, "at least one K/V slot");
 
@@ -190,12 +199,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
-  // e4m3: the staging slots' barriers (TMA completes on full; the transposing warps release empty).
+  // e4m3 transposed here: the staging slots' barriers (TMA completes on full; the transposing warps
+  // release empty).
   auto staging_full = [&](int s) { return bars + 8u * (2 + 4 * kStages + s); };
   auto staging_empty = [&](int s) { return bars + 8u * (2 + 5 * kStages + s); };
   // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
   // hand-off of the tile before, and read right after its own hand-off (kTileBarrier both times).
-  const unsigned tile_slots = bars + 8u * (2 + (kFp8 ? 6 : 4) * kStages);
+  const unsigned tile_slots = bars + 8u * (2 + (kTranspose ? 6 : 4) * kStages);
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
@@ -209,10 +219,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(k_full(s), 1);
-      mbarrier_init(v_full(s), kFp8 ? kTransposeWarps : 1);
+      mbarrier_init(v_full(s), kTranspose ? kTransposeWarps : 1);
       mbarrier_init(k_empty(s), kConsumerWarps);
       mbarrier_init(v_empty(s), kConsumerWarps);
-      if constexpr (kFp8) {
+      if constexpr (kTranspose) {
         mbarrier_init(staging_full(s), 1);
         mbarrier_init(staging_empty(s), kTransposeWarps);
       }
@@ -229,9 +239,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Split::kProducer>();
     // Warp 0: lane 0 issues every load and barrier operation, and the whole warp takes part in the
-    // tile hand-off. e4m3: warps 1..3 transpose V; otherwise the other producer warps leave.
+    // tile hand-off. e4m3 (kTranspose): warps 1..3 transpose V; otherwise the other producer warps leave.
     if (tid >= 32) {
-      if constexpr (kFp8) {
+      if constexpr (kTranspose) {
         // Per tile (taken at the hand-off like the consumers), every block the producer loads: wait
         // for its staged V and for the consumers to free its V slot, write V^T there, make those
         // ordinary stores visible to wgmma (async proxy), release both slots. A piece is 16 keys
@@ -349,12 +359,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           mbarrier_wait(k_empty(slot), parity ^ 1);
           mbarrier_arrive_expect_tx(k_full(slot), kKBytes);  // zero-filled bytes count too
           load(sK + slot * kKBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
-          // e4m3: into the staging slot, which the transposing warps release.
-          const unsigned v_free = kFp8 ? staging_empty(slot) : v_empty(slot);
-          const unsigned v_loaded = kFp8 ? staging_full(slot) : v_full(slot);
-          mbarrier_wait(v_free, parity ^ 1);
-          mbarrier_arrive_expect_tx(v_loaded, kKBytes);
-          load((kFp8 ? sVStaging : sV) + slot * kKBytes, &p.v_map, v_loaded, h_kv, t.k_row0 + n * kBlockN, kBlockN);
+          if constexpr (kVPreTransposed) {  // one box of V^T: kHeadDim rows of the block's 128 keys
+            mbarrier_wait(v_empty(slot), parity ^ 1);
+            mbarrier_arrive_expect_tx(v_full(slot), kVBytes);
+            tma_load_4d(sV + slot * kVBytes, &p.v_map, v_full(slot), n * kBlockN, 0, h_kv, t.b);
+          } else {
+            // e4m3: into the staging slot, which the transposing warps release.
+            const unsigned v_free = kTranspose ? staging_empty(slot) : v_empty(slot);
+            const unsigned v_loaded = kTranspose ? staging_full(slot) : v_full(slot);
+            mbarrier_wait(v_free, parity ^ 1);
+            mbarrier_arrive_expect_tx(v_loaded, kKBytes);
+            load((kTranspose ? sVStaging : sV) + slot * kKBytes, &p.v_map, v_loaded, h_kv, t.k_row0 + n * kBlockN,
+                 kBlockN);
+          }
         }
         if (++slot == kStages) {
           slot = 0;

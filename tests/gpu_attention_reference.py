@@ -42,13 +42,23 @@ def attention(q, k, v, *, compute_dtype, causal=False, softmax_scale=None, windo
     return out, lse
 
 
+def _poisoned(shape, dtype: str) -> torch.Tensor:
+    """A workspace buffer full of NaN (every byte 0x7f: NaN in e4m3, float16, bfloat16 and float32)."""
+    dtype = getattr(torch, dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.full((nbytes,), 0x7F, device="cuda", dtype=torch.uint8).view(dtype).view(shape)
+
+
 def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype):
     """dispatch.execute a forward Problem on torch's current stream into out (out_dtype) and lse
-    (float32) filled with NaN beforehand, so an element the kernel never wrote shows up."""
-    from cuflash import dispatch
+    (float32) filled with NaN beforehand, so an element the kernel never wrote shows up; the
+    kernels' workspace (cuflash.kernels.workspace) is poisoned too, so a kernel that reads a byte
+    nobody wrote carries a NaN into out."""
+    from cuflash import dispatch, kernels
 
     out = torch.full(out_shape, float("nan"), device="cuda", dtype=out_dtype)
     lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
-    dispatch.execute(problem, inputs, dict(out=out, lse=lse), torch.cuda.current_stream().cuda_stream)
+    workspace = {name: _poisoned(shape, dtype) for name, (shape, dtype) in kernels.workspace(problem).items()}
+    dispatch.execute(problem, inputs, dict(out=out, lse=lse, **workspace), torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return out, lse

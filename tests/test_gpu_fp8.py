@@ -8,6 +8,7 @@ tensor cores add e4m3 products with fewer mantissa bits than fp32 (DeepSeek-V3's
 an error of that order on each score, which the LSE passes on (measured: 2.1e-3 at |lse| 1.1, head
 dim 64, one key). Outputs are poisoned before every call, and a second identical call must give the
 same bits."""
+import contextlib
 import math
 
 import pytest
@@ -15,7 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import arrays, reference
+from cuflash import arrays, dispatch, reference
+from cuflash.kernels import fwd_sm90
 from cuflash.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -92,6 +94,23 @@ def _check(out, lse, quantized, kw):
     return err, plain_err
 
 
+@contextlib.contextmanager
+def fp8_row(headdim: int, row: int):
+    """Run the FP8 kernel with row `row` (modulo their number) of this head dim's tile table (V
+    transposed in the kernel, or beforehand into a workspace), whatever its seqlen_k bound."""
+    compiled = next(h for h in fwd_sm90.FP8_HEADDIMS if h >= headdim)
+    rows = [tiles for _, tiles in fwd_sm90.FP8_TILES[compiled]]
+    saved, saved_plans = fwd_sm90.fp8_tiles_override, dict(dispatch._plans)
+    fwd_sm90.fp8_tiles_override = {compiled: rows[row % len(rows)]}
+    dispatch._plans.clear()
+    try:
+        yield
+    finally:
+        fwd_sm90.fp8_tiles_override = saved
+        dispatch._plans.clear()
+        dispatch._plans.update(saved_plans)
+
+
 @st.composite
 def features(draw):
     causal = draw(st.booleans())
@@ -105,9 +124,10 @@ def features(draw):
 @given(headdim=st.sampled_from([64, 128, 256, 32, 96, 192]), batch=st.integers(1, 3), seqlen_q=SEQLENS,
        seqlen_k=SEQLENS, nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kw=features(),
        block=st.sampled_from([None, 128]), hadamard=st.booleans(),
-       out_dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31 - 1))
+       out_dtype=st.sampled_from([torch.bfloat16, torch.float16]), row=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
 def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, block, hadamard,
-                                         out_dtype, seed):
+                                         out_dtype, row, seed):
     nheads = nheads_kv * group
     assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
     hadamard = hadamard and headdim in (64, 128, 256)  # the GPU quantizer's transform sizes
@@ -121,10 +141,30 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     (q8, qd), (k8, kd), (v8, vd) = quantized
     problem = _problem(q8, k8, kw, out_dtype)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
-    _check(out, lse, quantized, kw)
-    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
+    with fp8_row(headdim, row):  # which of the head dim's table rows (row modulo their number)
+        out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
+        _check(out, lse, quantized, kw)
+        again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
     assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+
+
+@hopper_only
+@pytest.mark.parametrize("headdim,row", [(hd, i) for hd in fwd_sm90.FP8_HEADDIMS
+                                         for i in range(len(fwd_sm90.FP8_TILES[hd]))])
+def test_fp8_every_table_row(headdim, row):
+    """Each row of the table on a shape with ragged tails (keys not a multiple of 16 or of a block),
+    GQA and a causal mask, per-block descales."""
+    g = torch.Generator(device="cuda").manual_seed(headdim + row)
+    q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    quantized = tuple(cuflash.quantize_fp8(x, block=128) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    kw = dict(causal=True, window=(-1, -1), softmax_scale=None)
+    problem = _problem(q8, k8, kw, torch.bfloat16)
+    with fp8_row(headdim, row):
+        out, lse = gpu_attention.run_poisoned(problem, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd),
+                                              q.shape, (2, 4, 333), torch.bfloat16)
+    _check(out, lse, quantized, kw)
 
 
 @hopper_only
@@ -149,6 +189,24 @@ def test_fp8_attention_public_api_returns_lse_and_out_dtype():
     out, lse = cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=torch.float16, return_lse=True)
     assert out.dtype == torch.float16 and lse.shape == (1, 2, 300)
     _check(out, lse, ((q8, qd),) * 3, dict(causal=False, window=(-1, -1), softmax_scale=None))
+
+
+@hopper_only
+def test_fp8_attention_under_jax_jit_matches_torch():
+    """JAX arrays on the GPU: attention(fp8=True) under jax.jit, where XLA allocates the outputs and
+    the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 900, 2, 256, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    assert fwd_sm90._fp8_tiles(256, q.shape[1])[5], "this shape should take the pre-transposed row"
+    want = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True)
+    to_jax = lambda t: jax.dlpack.from_dlpack(t)
+    got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, causal=True, fp8=True, hadamard=True))(
+        to_jax(q), to_jax(k), to_jax(v))
+    assert torch.equal(torch.from_dlpack(got), want)
 
 
 @pytest.mark.skipif(_hopper(), reason="the refusal is for GPUs without the FP8 kernel")

@@ -74,7 +74,7 @@ def test_fwd_sm90_sass_uses_the_hopper_path(report):
     and ptxas did not serialise the wgmmas (C7510/C7515: accumulators touched mid-pipeline, or
     registers short)."""
     arch, _, rows = report
-    fwd = [r for r in rows if r["family"] in ("fwd_sm90", "fwd_fp8_sm90")]
+    fwd = [r for r in rows if r["name_expression"].startswith("cuflash::fwd_sm90<")]
     if arch != "sm_90a":
         assert not fwd, "sm_90a kernels must not be offered to other archs"
         return
@@ -85,6 +85,18 @@ def test_fwd_sm90_sass_uses_the_hopper_path(report):
         for opcode in (mma, "UTMALDG", "SYNCS", "USETMAXREG", "MUFU"):
             assert ops.get(opcode, 0) > 0, f"{r['uri']} has no {opcode}"
         assert not {"C7510", "C7515"} & set(r["ptxas_notes"]), f"{r['uri']}: wgmma serialised {r['ptxas_notes']}"
+
+
+def test_fp8_v_transpose_kernel_comes_with_the_pretransposed_variants(report):
+    """The FP8 table's pre-transposed rows bring the kernel that writes V^T: byte permutes (PRMT) and
+    stores, nothing spilled."""
+    arch, _, rows = report
+    pretransposed = [r for r in rows if r["family"] == "fwd_fp8_sm90" and "v_pretransposed=True" in r["uri"]]
+    transpose = [r for r in rows if r["name_expression"].startswith("cuflash::transpose_v_fp8<")]
+    assert bool(transpose) == bool(pretransposed)
+    for r in transpose:
+        assert r["sass_opcodes"].get("PRMT", 0) > 0 and r["sass_opcodes"].get("STG", 0) > 0, r["sass_opcodes"]
+        assert r["spill_store_bytes"] == 0 and r["local_memory_instructions"] == 0
 
 
 def test_fwd_sm90_main_loops_keep_their_counters_uniform(report):

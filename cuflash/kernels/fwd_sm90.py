@@ -1,7 +1,8 @@
 """fwd_sm90: the warp-specialised Hopper forward (cuda_src/fwd_sm90.cu): TMA producer, two or three
 wgmma consumer warpgroups, for compute capability 9.0 (compiled for sm_90a). Two families share the
 template: fwd_sm90 (fp16/bf16 attention) and fwd_fp8_sm90 (attention_fp8: e4m3 q, k, v with descales,
-V transposed in shared memory by the producer warpgroup)."""
+V transposed in shared memory by the producer warpgroup, or beforehand into a workspace by
+cuda_src/transpose_v_fp8.cu)."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +13,8 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, tma
-from . import CXX_TYPES, Family, Variant, compiled_headdim, cxx_bool, fast_divisor, require_rows_aligned
+from . import (CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool, fast_divisor,
+               require_rows_aligned)
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
@@ -59,22 +61,35 @@ PASS_BY = {64: (True, True), 128: (True, True), 192: (False, True), 256: (True, 
 # narrow blocks at 128), where nothing spills.
 SOFTCAP_TILES = {64: (2, 128, 3, True, False), 128: (2, 128, 2, True, False), 192: (2, 112, 2, True, False),
                  256: (2, 80, 2, False, False)}
-# e4m3: (consumers, block_n, stages, pingpong, overlap_pv) per compiled head dim. block_n is 128: V^T is one
-# 128-key swizzle row, and block descales come per 128 keys. Shared memory holds K, V^T and the
-# staged V per stage: at 256, two stages take 224 KiB and O is stored straight from registers; at
-# 128 a third stage measured +3-6% non-causal on H100, O still staged; at 64 (half-filled
-# 128-byte rows) three consumer warpgroups (160 registers each, the producer 32) measured
-# 1.02-1.15x bf16 against 0.80-0.93x with two (benchmarks/NOTES-fp8.md).
-FP8_TILES = {64: (3, 128, 2, False, False), 128: (2, 128, 3, True, False), 256: (2, 128, 2, True, False)}
+# e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
+# pingpong, overlap_pv, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
+# any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys.
+# v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
+# before the attention kernel, which then loads it with TMA like K; otherwise the producer
+# warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
+# 32 MB) and a workspace of V's size buy, at head dim 256, +21-27% non-causal and +12-25% causal
+# from 2k (FA3 sizing; 1,164 TFLOPs at 16k); at 64 and 128, where the transpose keeps up, it
+# measured 2-8% slower. It pays when V blocks serve enough query rows: at 8k keys and head dim 256,
+# 1k and 2k query rows 6-17% faster, up to 512 rows 2-12% slower, GQA or not (H100,
+# benchmarks/NOTES-fp8.md). Shared memory holds K, V^T and
+# (transposed in the kernel) the staged V per stage: at 256, two stages of those take 224 KiB and O
+# is stored straight from registers, while pre-transposed there is room to stage O; at 128 a third
+# stage measured +3-6% non-causal on H100, O still staged; at 64 (half-filled 128-byte rows) three
+# consumer warpgroups (160 registers each, the producer 32) measured 1.02-1.15x bf16 against
+# 0.80-0.93x with two.
+FP8_TILES = {64: ((None, (3, 128, 2, False, False, False)),),
+             128: ((None, (2, 128, 3, True, False, False)),),
+             256: ((512, (2, 128, 2, True, False, False)), (None, (2, 128, 2, True, False, True)))}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
-# Set by benchmarks/bench_fwd.py --sm90-tiles before the first call, to time other table rows
-# (dispatch remembers each choice); None in normal use.
+# Set by benchmarks/bench_fwd.py --sm90-tiles (--fp8-tiles) before the first call, to time other
+# table rows (dispatch remembers each choice); None in normal use.
 tiles_override: dict[int, tuple[int, int, int, bool, bool]] | None = None
+fp8_tiles_override: dict[int, tuple[int, int, int, bool, bool, bool]] | None = None
 # The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
 # taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
 # --sm90-grid tiles, to compare the two).
@@ -89,12 +104,15 @@ TILE_COUNTERS = 4096  # kTileCounters in the kernel
 O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "direct": "cuflash::kOStageDirect"}
 
 
-def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str) -> int:
+def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str,
+               v_pretransposed: bool) -> int:
     fp8 = dtype == FP8
-    barriers = 8 * (2 + (6 if fp8 else 4) * stages) + 8  # and two tile-index slots
+    transpose = fp8 and not v_pretransposed  # V is staged and transposed in shared memory
+    barriers = 8 * (2 + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
     row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
-    # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys) and the staged V (e4m3).
-    per_stage = block_n * row + (headdim * block_n + block_n * row if fp8 else block_n * row)
+    # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys) and the staged V (e4m3
+    # transposed in the kernel).
+    per_stage = block_n * row + (headdim * block_n + (block_n * row if transpose else 0) if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
     return block_m * row + stages * per_stage + o_bytes + barriers + 1024
@@ -136,6 +154,7 @@ class FwdSm90Variant(Variant):
     varlen: bool
     softcap: bool
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
+    v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -149,6 +168,8 @@ class FwdSm90Variant(Variant):
                              f"for {self.dtype}")
         if fp8 and (self.block_n != 128 or self.varlen or self.softcap):
             raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
+        if self.v_pretransposed and not fp8:
+            raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
         if self.block_n not in WGMMA_N or self.stages < 1:
@@ -167,7 +188,8 @@ class FwdSm90Variant(Variant):
         return 128 * (self.consumers + 1)  # and the producer warpgroup
 
     def _smem_bytes(self, o_stage: str) -> int:
-        return smem_bytes(self.dtype, self.headdim, self.block_m, self.block_n, self.stages, o_stage)
+        return smem_bytes(self.dtype, self.headdim, self.block_m, self.block_n, self.stages, o_stage,
+                          self.v_pretransposed)
 
     @cached_property  # read at every launch
     def o_stage(self) -> str:
@@ -185,7 +207,7 @@ class FwdSm90Variant(Variant):
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
                 str(self.block_n), str(self.stages), cxx_bool(self.pingpong), cxx_bool(self.overlap_pv),
                 O_STAGE_CXX[self.o_stage],
-                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by))
+                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.v_pretransposed))
 
 
 @dataclass(frozen=True)
@@ -193,6 +215,30 @@ class FwdFp8Sm90Variant(FwdSm90Variant):
     """The same template on e4m3 inputs, named after its family (fwd_fp8_sm90) in URIs and reports."""
 
     family = "fwd_fp8_sm90"
+
+
+# The TransposeVFp8Params struct (cuda_src/transpose_v_fp8.cu), field for field.
+TRANSPOSE_V_PARAMS = np.dtype([("v", np.uint64), ("vt", np.uint64)]
+                              + [(f"v_stride_{d}", np.int64) for d in ("b", "s", "h")]
+                              + [(name, np.int32) for name in ("seqlen", "seqlen_pad", "nheads", "headdim")])
+assert TRANSPOSE_V_PARAMS.itemsize == 56, "keep in step with static_assert(sizeof(TransposeVFp8Params) == 56)"
+TRANSPOSE_V_PARAMS_BYTES = np.dtype((np.void, TRANSPOSE_V_PARAMS.itemsize))
+TRANSPOSE_V_THREADS = 256
+V_TRANSPOSED_KEY_ALIGN = 16  # V^T's rows of keys are padded to this (TMA's 16-byte strides; a key group)
+
+
+@dataclass(frozen=True)
+class TransposeVFp8Variant(Variant):
+    """e4m3 V to the V^T workspace of the pre-transposed FP8 forward (launched by its launcher)."""
+
+    family = "fwd_fp8_sm90"
+    source = "transpose_v_fp8.cu"
+    template = "cuflash::transpose_v_fp8"
+
+    threads: int = TRANSPOSE_V_THREADS
+
+    def template_args(self) -> tuple[str, ...]:
+        return (str(self.threads),)
 
 
 def _rows(headdim: int, softcap: bool):
@@ -204,14 +250,16 @@ def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, b
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, pass_by) for dtype in sorted(CXX_TYPES)
+    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, pass_by, False) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
                  for _, tiles in _rows(hd, softcap) for pass_by in sorted(set(PASS_BY[hd])))
 
 
-def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdFp8Sm90Variant(FP8, out, hd, *FP8_TILES[hd], False, False, pass_by) for out in sorted(CXX_TYPES)
-                 for hd in FP8_HEADDIMS for pass_by in sorted(set(FP8_PASS_BY[hd])))
+def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
+    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, pass_by, tiles[5])
+                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for _, tiles in FP8_TILES[hd]
+                      for pass_by in sorted(set(FP8_PASS_BY[hd])))
+    return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -257,9 +305,32 @@ def select(problem, inputs) -> FwdSm90Variant:
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
-                             _pass_by(PASS_BY, headdim, problem))
+                             _pass_by(PASS_BY, headdim, problem), False)
     _check_tile_count("fwd_sm90", problem, variant)
     return variant
+
+
+def _fp8_tiles(headdim: int, seqlen_q: int) -> tuple[int, int, int, bool, bool, bool]:
+    if fp8_tiles_override and headdim in fp8_tiles_override:
+        return fp8_tiles_override[headdim]
+    return next(tiles for bound, tiles in FP8_TILES[headdim] if bound is None or seqlen_q <= bound)
+
+
+def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
+    """The V^T workspace (batch, nheads_kv, headdim, seqlen_k padded to 16) when this FP8 problem runs
+    pre-transposed, else None. From the problem alone (Family.workspace); None for a head dim the
+    family refuses (select says why)."""
+    if problem.headdim > FP8_HEADDIMS[-1] or problem.headdim % 4:
+        return None
+    if not _fp8_tiles(compiled_headdim(problem.headdim, FP8_HEADDIMS), problem.seqlen_q)[5]:
+        return None
+    seqlen_pad = -(-problem.seqlen_k // V_TRANSPOSED_KEY_ALIGN) * V_TRANSPOSED_KEY_ALIGN
+    return (problem.batch, problem.nheads_kv, problem.headdim, seqlen_pad)
+
+
+def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    shape = _v_transposed_shape(problem)
+    return {} if shape is None else {"v_transposed": (shape, FP8)}
 
 
 def select_fp8(problem, inputs) -> FwdSm90Variant:
@@ -269,9 +340,15 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *FP8_TILES[headdim], False, False,
-                                _pass_by(FP8_PASS_BY, headdim, problem))
-    if math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
+    tiles = _fp8_tiles(headdim, problem.seqlen_q)
+    variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
+                                _pass_by(FP8_PASS_BY, headdim, problem), tiles[5])
+    if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
+        if problem.headdim % 4:
+            raise ValueError(f"fwd_fp8_sm90 transposes v in 4-byte columns here: its head dim must be a multiple "
+                             f"of 4; got {problem.headdim}")
+        check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
+    if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
         raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
                          f"got seqlen_k {problem.seqlen_k}")
     _check_tile_count("fwd_fp8_sm90", problem, variant)
@@ -305,12 +382,43 @@ def _descales(inputs) -> tuple:
 _counter_slots = itertools.cycle(range(TILE_COUNTERS))
 
 
+def _transpose_v(problem, v, vt, stream) -> None:
+    """v (batch, seqlen_k, nheads_kv, headdim) into the V^T workspace `vt` (_v_transposed_shape,
+    contiguous) on `stream`."""
+    seqlen_pad = vt.shape[3]
+    pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (problem.headdim // 4)  # 2 key groups x 4 bytes
+    params = np.empty(1, TRANSPOSE_V_PARAMS)
+    params[0] = (v.ptr, vt.ptr, v.strides[0], v.strides[1], v.strides[2], problem.seqlen_k, seqlen_pad,
+                 problem.nheads_kv, problem.headdim)
+    variant = TransposeVFp8Variant()
+    with stream:
+        jit.get_function(variant, problem.device.index)(
+            (math.ceil(2 * pairs / variant.threads), problem.nheads_kv, problem.batch), (variant.threads,),
+            (params.view(TRANSPOSE_V_PARAMS_BYTES),))
+
+
+def _v_transposed_map(vt) -> bytes:
+    """The TMA descriptor of the V^T workspace: boxes of 128 keys (one swizzle row) by the compiled
+    head dim's rows, of one kv head."""
+    batch, nheads_kv, headdim, seqlen_pad = vt.shape
+    compiled = compiled_headdim(headdim, FP8_HEADDIMS)
+    return tma.encode_tiled(FP8, vt.ptr, (seqlen_pad, headdim, nheads_kv, batch),
+                            (seqlen_pad, headdim * seqlen_pad, nheads_kv * headdim * seqlen_pad),
+                            (SWIZZLE_ROW_BYTES, compiled, 1, 1))
+
+
 def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
     if num_tiles == 0:
         return
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if variant.v_pretransposed:
+        vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
+        _transpose_v(problem, v, vt, stream)
+        v_map = _v_transposed_map(vt)
+    else:
+        v_map = tensor_map(problem, v, problem.nheads_kv, variant.block_n)
     out, lse = outputs["out"], outputs["lse"]
     o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
     descale_ptrs, *descale_strides = _descales(inputs)
@@ -318,7 +426,7 @@ def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) 
     params = np.empty(1, FWD_SM90_PARAMS)
     params[0] = (tensor_map(problem, q, problem.nheads, variant.block_m),
                  tensor_map(problem, k, problem.nheads_kv, variant.block_n),
-                 tensor_map(problem, v, problem.nheads_kv, variant.block_n),
+                 v_map,
                  out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
                  problem.seqlen_q, problem.seqlen_k, group, problem.headdim,
                  *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,
@@ -353,4 +461,5 @@ FP8_FAMILY = Family(
     select=select_fp8,
     launch=launch,
     dtypes=frozenset({FP8}),
+    workspace=fp8_workspace,
 )
