@@ -65,7 +65,9 @@ struct FwdSm90Params {
   long long lse_stride_b, lse_stride_h;
   int descale_stride_b[3], descale_stride_h[3], descale_stride_block[3];
   int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
-  int group;               // query heads per kv head
+  int group;               // query heads per kv head. Not read (group_div is), but kept: without it the
+                           // fields after it move and ptxas re-schedules the e4m3 kernel, -5% at head
+                           // dim 128 causal 16k, reproduced twice (benchmarks/NOTES-sm90.md, version 30)
   int headdim;             // the caller's head dim (<= kHeadDim)
   int window_left, window_right;  // -1: unbounded; causal is window_right = 0
   float scale_log2;        // softmax_scale * log2(e), or log2(e) with softcap
