@@ -177,6 +177,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // 128, where ping-pong already hides the multiplies behind the other warpgroup's GEMMs and the
   // vote lands on the critical path (benchmarks/NOTES-sm90.md, version 20).
   constexpr int kStaleMax = !kFp8 && !kPingPong ? 8 : 0;
+  // Chains of a thread's row maximum (online_softmax_max): four in e4m3 at head dim 256, measured
+  // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
+  // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
+  constexpr int kMaxChains = kFp8 && kHeadDim == 256 ? 4 : 1;
   static_assert(sizeof(TOut) == 2, "O in fp16 / bf16");
   static_assert(kFp8 || sizeof(T) == 2, "fp16 / bf16 / e4m3");
   static_assert((kFp8 ? kHeadDim % 64 : kHeadDim % kAtomElems) == 0 && kHeadDim <= 256,
@@ -535,7 +539,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset, kStaleMax>(
+          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset, kStaleMax, kMaxChains>(
               [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf],
               kFp8 ? p.scale_log2 * q_descale[hf] * k_descale : p.scale_log2);
         }

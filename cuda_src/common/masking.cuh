@@ -77,12 +77,26 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // units): P is then at most 2^(kExpOffset + kStaleMax), and the correction is exactly 1 for most
 // blocks of a long row, so a caller may skip the O rescale when no row of the warp moved
 // (FlashAttention-4's trick; exact, since O, the sum and the LSE all use the same maximum).
-template <int kCols, int kStaleMax = 0, typename Score>
+// The thread's maximum is taken in kChains interleaved chains joined by a tree: one chain over 32
+// scores is 17 dependent FMNMX deep (the exponentials wait for it), four chains are 6. A kernel's
+// choice: where ping-pong already hides the chain, the other schedule ptxas makes of the softmax
+// can cost more than the depth saves (fwd_sm90.cu, kMaxChains).
+template <int kCols, int kStaleMax = 0, int kChains = 1, typename Score>
 __device__ __forceinline__ float online_softmax_max(Score&& score, float& row_max, float scale_log2, float& base) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
-  float mx = -infinity();
+  static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && 2 * kChains <= kCols, "a power of two of chains");
+  float chain[kChains];
 #pragma unroll
-  for (int c = 0; c < kCols; c += 2) mx = fmaxf(mx, fmaxf(score(c), score(c + 1)));
+  for (int k = 0; k < kChains; ++k) chain[k] = -infinity();
+#pragma unroll
+  for (int c = 0; c < kCols; c += 2) {
+    chain[(c / 2) % kChains] = fmaxf(chain[(c / 2) % kChains], fmaxf(score(c), score(c + 1)));
+  }
+#pragma unroll
+  for (int width = kChains / 2; width > 0; width /= 2)
+#pragma unroll
+    for (int k = 0; k < width; ++k) chain[k] = fmaxf(chain[k], chain[k + width]);
+  float mx = chain[0];
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   mx = fmaxf(row_max, mx * scale_log2);
@@ -107,10 +121,10 @@ __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_lo
   }
 }
 
-template <int kCols, int kExpOffset = 0, int kStaleMax = 0, typename Score>
+template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kChains = 1, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
   float m;
-  const float correction = online_softmax_max<kCols, kStaleMax>(score, row_max, scale_log2, m);
+  const float correction = online_softmax_max<kCols, kStaleMax, kChains>(score, row_max, scale_log2, m);
   float sum = 0.f;
   online_softmax_exp<kCols>(score, scale_log2, m - kExpOffset, sum);
   row_sum = row_sum * correction + sum;
