@@ -383,3 +383,33 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
         fwd_sm90.select_fp8(problem, inputs)
     accepted = fwd_sm90.select_fp8(dataclasses.replace(problem, seqlen_k=most), dict(inputs, k=rows(most), v=rows(most)))
     assert accepted.family == "fwd_fp8_sm90" and accepted.headdim == 128
+
+
+def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_head_dim_256_beyond_512_query_rows():
+    """The FP8 table's pre-transposed row: select takes it, and the workspace the caller's framework
+    allocates for it is declared from the problem alone, keys padded to 16; elsewhere no workspace."""
+    import dataclasses
+
+    from cuflash import kernels
+    from cuflash.arrays import Device, DeviceArray
+    from cuflash.kernels import fwd_sm90
+    from cuflash.problem import Problem
+
+    problem = Problem(op="attention_fp8_forward", framework="torch", device=Device("cuda", 0), dtype="float8_e4m3fn",
+                      batch=2, seqlen_q=513, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=256, softmax_scale=0.1,
+                      out_dtype="bfloat16")
+
+    def inputs(p):
+        def rows(seqlen, heads):
+            return DeviceArray(ptr=1 << 20, shape=(p.batch, seqlen, heads, p.headdim),
+                               strides=(seqlen * heads * p.headdim, heads * p.headdim, p.headdim, 1))
+        descale = DeviceArray(ptr=1 << 20, shape=(p.batch, p.nheads), strides=(p.nheads, 1))
+        kv = rows(p.seqlen_k, p.nheads_kv)
+        return dict(q=rows(p.seqlen_q, p.nheads), k=kv, v=kv, q_descale=descale, k_descale=descale, v_descale=descale)
+
+    assert fwd_sm90.select_fp8(problem, inputs(problem)).v_pretransposed
+    assert kernels.workspace(problem) == {"v_transposed": ((2, 2, 256, 1008), "float8_e4m3fn")}
+    for other in (dataclasses.replace(problem, seqlen_q=512), dataclasses.replace(problem, headdim=128)):
+        assert not fwd_sm90.select_fp8(other, inputs(other)).v_pretransposed
+        assert kernels.workspace(other) == {}
+    assert kernels.workspace(dataclasses.replace(problem, headdim=300)) == {}  # refused by select, no workspace

@@ -201,7 +201,8 @@ def test_fp8_attention_under_jax_jit_matches_torch():
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 900, 2, 256, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    assert fwd_sm90._fp8_tiles(256, q.shape[1])[5], "this shape should take the pre-transposed row"
+    assert fwd_sm90.fp8_workspace(_problem(q, k, dict(causal=True, window=(-1, -1), softmax_scale=None),
+                                           torch.bfloat16)), "this shape should take the pre-transposed row"
     want = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True)
     to_jax = lambda t: jax.dlpack.from_dlpack(t)
     got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, causal=True, fp8=True, hadamard=True))(

@@ -13,8 +13,8 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, tma
-from . import (CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool, fast_divisor,
-               require_rows_aligned)
+from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool,
+               fast_divisor, require_rows_aligned)
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
@@ -310,19 +310,19 @@ def select(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def _fp8_tiles(headdim: int, seqlen_q: int) -> tuple[int, int, int, bool, bool, bool]:
+def _fp8_tiles(problem) -> tuple[int, int, int, bool, bool, bool]:
+    """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q."""
+    headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     if fp8_tiles_override and headdim in fp8_tiles_override:
         return fp8_tiles_override[headdim]
-    return next(tiles for bound, tiles in FP8_TILES[headdim] if bound is None or seqlen_q <= bound)
+    return next(tiles for bound, tiles in FP8_TILES[headdim] if bound is None or problem.seqlen_q <= bound)
 
 
 def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
     """The V^T workspace (batch, nheads_kv, headdim, seqlen_k padded to 16) when this FP8 problem runs
     pre-transposed, else None. From the problem alone (Family.workspace); None for a head dim the
-    family refuses (select says why)."""
-    if problem.headdim > FP8_HEADDIMS[-1] or problem.headdim % 4:
-        return None
-    if not _fp8_tiles(compiled_headdim(problem.headdim, FP8_HEADDIMS), problem.seqlen_q)[5]:
+    family refuses (select says why: above 256, or rows that are not 16-byte multiples)."""
+    if problem.headdim > FP8_HEADDIMS[-1] or problem.headdim % ROW_ALIGN_BYTES or not _fp8_tiles(problem)[5]:
         return None
     seqlen_pad = -(-problem.seqlen_k // V_TRANSPOSED_KEY_ALIGN) * V_TRANSPOSED_KEY_ALIGN
     return (problem.batch, problem.nheads_kv, problem.headdim, seqlen_pad)
@@ -340,13 +340,10 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    tiles = _fp8_tiles(headdim, problem.seqlen_q)
+    tiles = _fp8_tiles(problem)
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
                                 _pass_by(FP8_PASS_BY, headdim, problem), tiles[5])
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
-        if problem.headdim % 4:
-            raise ValueError(f"fwd_fp8_sm90 transposes v in 4-byte columns here: its head dim must be a multiple "
-                             f"of 4; got {problem.headdim}")
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
         raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
@@ -384,7 +381,9 @@ _counter_slots = itertools.cycle(range(TILE_COUNTERS))
 
 def _transpose_v(problem, v, vt, stream) -> None:
     """v (batch, seqlen_k, nheads_kv, headdim) into the V^T workspace `vt` (_v_transposed_shape,
-    contiguous) on `stream`."""
+    contiguous) on `stream`. The kernel moves 4-byte columns: select's check_loadable has made v's
+    rows (the head dim, in bytes) multiples of 16."""
+    assert problem.headdim % 4 == 0 and v.ptr % 4 == 0, "v's rows are 16-byte aligned (check_loadable)"
     seqlen_pad = vt.shape[3]
     pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (problem.headdim // 4)  # 2 key groups x 4 bytes
     params = np.empty(1, TRANSPOSE_V_PARAMS)
