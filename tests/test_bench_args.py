@@ -1,4 +1,4 @@
-"""benchmarks/bench_fwd.py's --sm90-tiles rows become fwd_sm90 variants field for field."""
+"""benchmarks/bench_fwd.py's --sm90-tiles and --fp8-tiles rows become fwd_sm90 variants field for field."""
 import argparse
 import importlib.util
 from pathlib import Path
