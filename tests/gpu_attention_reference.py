@@ -43,7 +43,8 @@ def attention(q, k, v, *, compute_dtype, causal=False, softmax_scale=None, windo
 
 
 def _poisoned(shape, dtype: str) -> torch.Tensor:
-    """A workspace buffer full of NaN (every byte 0x7f: NaN in e4m3, float16, bfloat16 and float32)."""
+    """A workspace buffer with every byte 0x7f: NaN in e4m3 and float16 (in bfloat16 and float32 a
+    value near their largest, which still shows in out)."""
     dtype = getattr(torch, dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.full((nbytes,), 0x7F, device="cuda", dtype=torch.uint8).view(dtype).view(shape)

@@ -97,7 +97,7 @@ def _check(out, lse, quantized, kw):
 @contextlib.contextmanager
 def fp8_row(headdim: int, row: int):
     """Run the FP8 kernel with row `row` (modulo their number) of this head dim's tile table (V
-    transposed in the kernel, or beforehand into a workspace), whatever its seqlen_k bound."""
+    transposed in the kernel, or beforehand into a workspace), whatever its seqlen_q bound."""
     compiled = next(h for h in fwd_sm90.FP8_HEADDIMS if h >= headdim)
     rows = [tiles for _, tiles in fwd_sm90.FP8_TILES[compiled]]
     saved, saved_plans = fwd_sm90.fp8_tiles_override, dict(dispatch._plans)
