@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           issue_qk(slot);
           issue_pv(prev);
           turn_end(false);
-          pv_slot = prev;
+          if constexpr (kOverlapPV) pv_slot = prev;
           wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
           pin_registers(s);
           mbarrier_arrive_warp(k_empty(slot));
