@@ -1,7 +1,10 @@
 """The public functions: argument checks, then one Problem handed to `dispatch`.
 
 Every check happens here, before any kernel runs, and each error names the argument, what was
-given and what is expected. Nothing below this module re-validates user input.
+given and what is expected. Nothing below this module re-validates user input. A GPU call whose
+arrays and other arguments match an earlier call's (dispatch.call_signature: types, dtypes,
+shapes, strides, devices, addresses mod 16) runs what that call's checks concluded without
+checking again: the checks look at nothing else.
 """
 from __future__ import annotations
 
@@ -211,11 +214,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     if _check_flag("hadamard", hadamard):
         raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
     return_lse = _check_flag("return_lse", return_lse)
-    infos = _describe_all(dict(q=q, k=k, v=v))
-    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap), backend)
-    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-    out, lse = dispatch.run(problem, dict(q=q, k=k, v=v),
-                            dict(out=(infos["q"].shape, problem.dtype), lse=(lse_shape, "float32")))
+    named = dict(q=q, k=k, v=v)
+    features = (causal, softmax_scale, window, softcap)
+
+    def check():
+        infos = _describe_all(named)
+        problem = _attention_problem("attention_forward", infos, features, backend)
+        lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
+        return problem, dict(out=(infos["q"].shape, problem.dtype), lse=(lse_shape, "float32"))
+
+    out, lse = dispatch.run_checked(dispatch.call_signature("attention_forward", named, (*features, backend)),
+                                    named, check)
     return (out, lse) if return_lse else out
 
 
@@ -230,17 +239,23 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (benchmarks/NOTES-bwd_sm80.md). backend: as for `attention`.
     """
     deterministic = _check_flag("deterministic", deterministic)
-    infos = _describe_all(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
-    problem = _attention_problem("attention_backward", {n: infos[n] for n in ("q", "k", "v")},
-                                 (causal, softmax_scale, window, softcap), backend, deterministic)
-    for name in ("dout", "out"):
-        _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
-        _check_unit_last_stride(infos[name])
-    _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
-    _check_lse(infos["lse"], (problem.batch, problem.nheads, problem.seqlen_q))
-    return dispatch.run(problem, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse),
-                        dict(dq=(infos["q"].shape, problem.dtype), dk=(infos["k"].shape, problem.dtype),
-                             dv=(infos["v"].shape, problem.dtype)))
+    named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    features = (causal, softmax_scale, window, softcap)
+
+    def check():
+        infos = _describe_all(named)
+        problem = _attention_problem("attention_backward", {n: infos[n] for n in ("q", "k", "v")}, features, backend,
+                                     deterministic)
+        for name in ("dout", "out"):
+            _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
+            _check_unit_last_stride(infos[name])
+        _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
+        _check_lse(infos["lse"], (problem.batch, problem.nheads, problem.seqlen_q))
+        return problem, dict(dq=(infos["q"].shape, problem.dtype), dk=(infos["k"].shape, problem.dtype),
+                             dv=(infos["v"].shape, problem.dtype))
+
+    signature = dispatch.call_signature("attention_backward", named, (*features, deterministic, backend))
+    return dispatch.run_checked(signature, named, check)
 
 
 def _check_lse(info: ArrayInfo, shape: tuple[int, ...]) -> None:
@@ -468,21 +483,27 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     allocates, through the caller's framework, a scratch buffer the size of v8 for V transposed.
     """
     return_lse = _check_flag("return_lse", return_lse)
-    out_dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    infos = _describe_all(named)
-    for name in ("q8", "k8", "v8"):
-        if infos[name].dtype != FP8_DTYPE:
-            raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}")
-    problem = _attention_problem("attention_fp8_forward", dict(q=infos["q8"], k=infos["k8"], v=infos["v8"]),
-                                 (causal, softmax_scale, window, 0.0), backend)
-    problem = dataclasses.replace(problem, out_dtype=out_dtype)
-    _check_descale(infos["q_descale"], problem.batch, problem.nheads, problem.seqlen_q)
-    for name in ("k_descale", "v_descale"):
-        _check_descale(infos[name], problem.batch, problem.nheads_kv, problem.seqlen_k)
+    features = (causal, softmax_scale, window, 0.0)
+
+    def check():
+        dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)
+        infos = _describe_all(named)
+        for name in ("q8", "k8", "v8"):
+            if infos[name].dtype != FP8_DTYPE:
+                raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}")
+        problem = _attention_problem("attention_fp8_forward", dict(q=infos["q8"], k=infos["k8"], v=infos["v8"]),
+                                     features, backend)
+        problem = dataclasses.replace(problem, out_dtype=dtype)
+        _check_descale(infos["q_descale"], problem.batch, problem.nheads, problem.seqlen_q)
+        for name in ("k_descale", "v_descale"):
+            _check_descale(infos[name], problem.batch, problem.nheads_kv, problem.seqlen_k)
+        return problem, dict(out=(infos["q8"].shape, dtype), lse=((problem.batch, problem.nheads, problem.seqlen_q),
+                                                                   "float32"))
+
     inputs = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    out, lse = dispatch.run(problem, inputs, dict(out=(infos["q8"].shape, out_dtype),
-                                                  lse=((problem.batch, problem.nheads, problem.seqlen_q), "float32")))
+    signature = dispatch.call_signature("attention_fp8_forward", named, (*features, out_dtype, backend))
+    out, lse = dispatch.run_checked(signature, inputs, check)
     return (out, lse) if return_lse else out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -97,7 +97,8 @@ def _dtype_name(framework: str, dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides in elements, as every framework's `empty` lays an array out."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -151,7 +152,24 @@ def describe(name: str, x: Any) -> ArrayInfo:
         (d,) = devices
         device = Device("cuda", d.id) if d.platform in ("gpu", "cuda") else Device("cpu")
     return ArrayInfo(name, framework, device, _dtype_name(framework, x.dtype), shape,
-                     _contiguous_strides(shape), traced=traced)
+                     contiguous_strides(shape), traced=traced)
+
+
+def signature(x: Any) -> tuple | None:
+    """What `describe` and the kernel families look at in a GPU array (type, dtype, device, shape,
+    strides, address mod 16), as a hashable key, for CuPy arrays and plain torch CUDA tensors; None
+    for anything else. Equal signatures mean the same checks pass and the same kernel serves the
+    call, which lets `dispatch` skip both on a repeated call. Never raises."""
+    kind = type(x)
+    torch = _module("torch")
+    if torch is not None and kind is torch.Tensor:  # not subclasses (fake tensors have no address)
+        if x.layout is not torch.strided or not x.is_cuda:
+            return None
+        return kind, x.dtype, x.device, x.shape, x.stride(), x.data_ptr() % 16
+    cupy = _module("cupy")
+    if cupy is not None and kind is cupy.ndarray:
+        return kind, x.dtype, x.device.id, x.shape, x.strides, x.data.ptr % 16
+    return None
 
 
 # NumPy knows these through ml_dtypes only (not by name).
@@ -202,14 +220,21 @@ def small_host_copy(x: Any) -> np.ndarray | None:
 _TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "float8_e4m3fn")
 
 
+@lru_cache(maxsize=None)
+def _torch_dtype_and_device(dtype: str, device: Device) -> tuple:
+    # Made once: torch parses a device string on every call, which costs more than the allocation.
+    torch = _module("torch")
+    assert dtype in _TORCH_DTYPES, dtype
+    return getattr(torch, dtype), torch.device(device.kind, device.index) if device.is_cuda else torch.device("cpu")
+
+
 def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) -> Any:
     """Allocate an uninitialised array through the caller's framework's own allocator."""
     if framework == "numpy":
         return np.empty(shape, numpy_dtype(dtype))
     if framework == "torch":
-        torch = _module("torch")
-        assert dtype in _TORCH_DTYPES, dtype
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=str(device))
+        torch_dtype, torch_device = _torch_dtype_and_device(dtype, device)
+        return _module("torch").empty(shape, dtype=torch_dtype, device=torch_device)
     if framework == "cupy":
         cupy = _module("cupy")
         with cupy.cuda.Device(device.index):
@@ -242,7 +267,10 @@ def current_stream(framework: str, device: Device) -> int:
     """The handle of the caller's current CUDA stream for `device` (torch's or CuPy's)."""
     if framework == "torch":
         torch = _module("torch")
-        return int(torch.cuda.current_stream(device.index).cuda_stream)
+        # The handle without a torch.cuda.Stream object around it (a few microseconds a call); the
+        # function torch's own compiled code calls, with the public spelling where it is missing.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return int(raw(device.index)) if raw else int(torch.cuda.current_stream(device.index).cuda_stream)
     if framework == "cupy":
         cupy = _module("cupy")
         with cupy.cuda.Device(device.index):
@@ -250,9 +278,9 @@ def current_stream(framework: str, device: Device) -> int:
     raise AssertionError(f"{framework} work gets its stream from its own runtime")
 
 
-@dataclass(frozen=True)
-class DeviceArray:
-    """A GPU array as a kernel sees it: address, shape and strides in elements."""
+class DeviceArray(NamedTuple):
+    """A GPU array as a kernel sees it: address, shape and strides in elements. (A named tuple: made
+    for every array of every call, and a frozen dataclass costs several times more to make.)"""
 
     ptr: int
     shape: tuple[int, ...]
@@ -264,12 +292,12 @@ def device_array(x: Any) -> DeviceArray:
     callback buffer (the last two through the CUDA array interface)."""
     framework = framework_of(x)
     if framework == "torch":
-        return DeviceArray(x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+        return DeviceArray(x.data_ptr(), tuple(x.shape), x.stride())
     if framework == "cupy":
         return DeviceArray(x.data.ptr, x.shape, tuple(s // x.itemsize for s in x.strides))
     cai = x.__cuda_array_interface__
     shape = tuple(int(n) for n in cai["shape"])
     itemsize = int(cai["typestr"][2:]) if cai["typestr"][1] in "fiuV" else 1
     strides = (tuple(int(s) // itemsize for s in cai["strides"]) if cai.get("strides")
-               else _contiguous_strides(shape))
+               else contiguous_strides(shape))
     return DeviceArray(int(cai["data"][0]), shape, strides)

@@ -46,12 +46,85 @@ def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> 
         from . import jax as cuflash_jax
 
         return cuflash_jax.call(problem, inputs, {**outputs, **kernels.workspace(problem)})[:len(outputs)]
-    buffers = {**outputs, **(kernels.workspace(problem) if problem.device.is_cuda else {})}
+    if problem.device.is_cuda:
+        return _prepared_run(problem, inputs, outputs)(inputs)
     allocated = {name: arrays.empty(problem.framework, problem.device, shape, dtype)
-                 for name, (shape, dtype) in buffers.items()}
-    stream = arrays.current_stream(problem.framework, problem.device) if problem.device.is_cuda else None
-    execute(problem, inputs, allocated, stream)
+                 for name, (shape, dtype) in outputs.items()}
+    execute(problem, inputs, allocated, None)
     return tuple(allocated[name] for name in outputs)
+
+
+# ----------------------------------------------------------------------------- repeated calls
+#
+# A training step or a decode loop calls with arrays of the same layouts again and again, and the
+# argument checks, the choice of kernel and the launch's parameters cost several times what torch
+# takes for a whole call (benchmarks/NOTES-sm90.md, "Host time"). So the public functions hand
+# `run_checked` a call signature: the signatures of their GPU arrays (arrays.signature: everything
+# the checks and the families' `select` look at) and their other arguments with their types. The
+# first call with a signature runs the checks; a later one runs what they concluded: the outputs to
+# allocate and a prepared launch (Family.launcher), with only the arrays' addresses new.
+
+_calls: dict[tuple, Any] = {}  # call signature -> _prepared_run's function of the inputs
+_MAX_CALLS = 4096
+
+
+def _types(values: tuple) -> tuple:
+    """The type of each value, and of each item of a tuple: causal=1 must not find the entry that
+    causal=True made (1 == True, and both hash alike), nor window=(-1.0, -1) the entry of (-1, -1)."""
+    return tuple((tuple, *map(type, v)) if type(v) is tuple else type(v) for v in values)
+
+
+def call_signature(op: str, arrays_: dict[str, Any], scalars: tuple) -> tuple | None:
+    """The key under which `run_checked` remembers a call of `op` on the named arrays and the other
+    arguments `scalars`: None (not remembered) unless every array has a signature (GPU torch or
+    CuPy arrays) and every scalar is hashable (a window given as a list is not)."""
+    signatures = tuple(arrays.signature(x) for x in arrays_.values())
+    if None in signatures:
+        return None
+    key = (op, tuple(arrays_), signatures, scalars, _types(scalars))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument: the checks will say what is wrong with it, every time
+        return None
+    return key
+
+
+def run_checked(signature: tuple | None, inputs: dict[str, Any], check) -> tuple:
+    """`run` the Problem and outputs that `check()` returns after every argument check, or, for a
+    call signature (call_signature) seen before, what that check concluded then, without checking
+    again."""
+    prepared = _calls.get(signature) if signature is not None else None
+    if prepared is None:
+        problem, outputs = check()
+        if signature is None:
+            return run(problem, inputs, outputs)
+        assert problem.device.is_cuda and problem.framework != "jax", "signatures are of GPU torch/CuPy arrays"
+        prepared = _prepared_run(problem, inputs, outputs)
+        if len(_calls) >= _MAX_CALLS:
+            _calls.clear()
+        _calls[signature] = prepared
+    return prepared(inputs)
+
+
+def _prepared_run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]):
+    """A function of inputs laid out as `inputs` are (shapes, strides, addresses mod 16) that
+    allocates the outputs and the workspace, launches `problem`'s kernel on the caller's current
+    stream and returns the outputs. It holds no reference to `inputs`."""
+    buffers = {**outputs, **kernels.workspace(problem)}
+    framework, device, index = problem.framework, problem.device, problem.device.index
+    layouts = {name: arrays.DeviceArray(0, shape, arrays.contiguous_strides(shape))  # as arrays.empty makes them
+               for name, (shape, _) in buffers.items()}
+    launch = launcher(problem, {n: arrays.device_array(x) for n, x in inputs.items()}, layouts)
+    names = tuple(outputs)
+
+    def prepared(inputs: dict[str, Any]) -> tuple:
+        allocated = {name: arrays.empty(framework, device, shape, dtype) for name, (shape, dtype) in buffers.items()}
+        launch({n: arrays.device_array(x) for n, x in inputs.items()},
+               {n: arrays.device_array(x) for n, x in allocated.items()},
+               arrays.cupy_stream(arrays.current_stream(framework, device), index))
+        return tuple(allocated[name] for name in names)
+
+    return prepared
 
 
 def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], stream: int | None) -> None:
@@ -62,21 +135,36 @@ def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], s
         _run_reference(problem, {n: arrays.host_view(x) for n, x in inputs.items()},
                        {n: arrays.host_view(x) for n, x in outputs.items()})
         return
-    import cupy
-
-    from . import jit
-
     device_inputs = {n: arrays.device_array(x) for n, x in inputs.items()}
     device_outputs = {n: arrays.device_array(x) for n, x in outputs.items()}
-    family, variant = plan(problem, device_inputs)
-    with cupy.cuda.Device(problem.device.index):
-        function = jit.get_function(variant, problem.device.index)
-        family.launch(variant, function, problem, device_inputs, device_outputs,
-                      arrays.cupy_stream(stream, problem.device.index))
+    launcher(problem, device_inputs, device_outputs)(device_inputs, device_outputs,
+                                                     arrays.cupy_stream(stream, problem.device.index))
 
 
 _plans: dict[tuple, tuple] = {}
+_launchers: dict[tuple, Any] = {}
 _MAX_PLANS = 4096
+
+
+def clear_plans() -> None:
+    """Forget every choice of kernel and every prepared launch and call: after changing a family's
+    tile table (benchmarks and tests that force table rows)."""
+    for cache in (_plans, _launchers, _calls):
+        cache.clear()
+
+
+def _remember(cache: dict, key: tuple, make):
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
+def _layout_key(device_arrays: dict[str, arrays.DeviceArray]) -> tuple:
+    return tuple((a.ptr % 16, a.strides) for a in device_arrays.values())
 
 
 def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
@@ -85,14 +173,29 @@ def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
     Remembered per (problem, each input's address mod 16 and strides): families choose from the
     problem and the inputs' alignment and strides only, and choosing again on every call costs
     more than a launch."""
-    key = (problem, tuple((a.ptr % 16, a.strides) for a in device_inputs.values()))
-    chosen = _plans.get(key)
-    if chosen is None:
-        chosen = _choose(problem, device_inputs)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = chosen
-    return chosen
+    return _remember(_plans, (problem, _layout_key(device_inputs)), lambda: _choose(problem, device_inputs))
+
+
+def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
+             device_outputs: dict[str, arrays.DeviceArray]):
+    """`plan`'s kernel, loaded (compiled on first use), as a function (inputs, outputs, stream) of
+    arrays laid out as these (Family.launcher): remembered per plan and outputs' strides."""
+    def make():
+        import cupy
+
+        from . import jit
+
+        family, variant = plan(problem, device_inputs)
+        index = problem.device.index
+        launch = family.launcher(variant, jit.get_function(variant, index), problem, device_inputs, device_outputs)
+
+        def on_device(inputs, outputs, stream) -> None:
+            with cupy.cuda.Device(index):
+                launch(inputs, outputs, stream)
+        return on_device
+
+    key = (problem, _layout_key(device_inputs), tuple(a.strides for a in device_outputs.values()))
+    return _remember(_launchers, key, make)
 
 
 def _choose(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):

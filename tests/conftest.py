@@ -36,3 +36,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_plans():
+    """For tests that change a family's tile table: dispatch forgets its remembered kernel choices,
+    prepared launches and calls before the test and after it."""
+    from cuflash import dispatch
+
+    dispatch.clear_plans()
+    yield
+    dispatch.clear_plans()

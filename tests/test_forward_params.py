@@ -52,3 +52,85 @@ def test_fast_divisor_divides_exactly_over_the_int32_range():
                 assert _fast_div(n, mul, shift) == n // d, (n, d)
     with pytest.raises(ValueError):
         fast_divisor(0)
+
+
+def _rows(ptr, batch, seqlen, heads, dim, varlen=False):
+    """A contiguous (batch, seqlen, heads, dim) DeviceArray, or (total, heads, dim) for varlen."""
+    shape = (batch * seqlen, heads, dim) if varlen else (batch, seqlen, heads, dim)
+    return arrays.DeviceArray(ptr, shape, arrays.contiguous_strides(shape))
+
+
+@pytest.mark.parametrize("fp8, varlen", [(False, False), (False, True), (True, False)])
+def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp8, varlen, monkeypatch):
+    """fwd_sm90.prepare builds the parameter struct once and each launch writes the addresses in:
+    every field as the kernel reads it, the tensor maps of this call's q, k, v at their offsets, and a
+    new tile-counter slot per launch (offline: the driver's encoder and the launch are stand-ins)."""
+    import numpy as np
+
+    from cuflash import jit, tma
+    from cuflash.kernels import fast_divisor, fwd_sm90
+
+    monkeypatch.setattr(tma, "encode_tiled", lambda dtype, ptr, dims, strides, box: repr(
+        (dtype, ptr, dims, strides, box)).encode().ljust(tma.MAP_BYTES, b"\0")[:tma.MAP_BYTES])
+    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
+    dtype = "float8_e4m3fn" if fp8 else "bfloat16"
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = 2, 300, 700, 6, 2, 128
+    problem = _problem(op="attention_fp8_forward" if fp8 else "attention_varlen_forward" if varlen else
+                       "attention_forward", dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                       nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=True, window_right=0,
+                       window_left=50, out_dtype="float16" if fp8 else None,
+                       total_q=batch * seqlen_q if varlen else 0, total_k=batch * seqlen_k if varlen else 0)
+    variant = fwd_sm90.FwdSm90Variant(dtype, "float16" if fp8 else dtype, headdim, 2, 128, 2, False, False, varlen,
+                                      False, True, False)
+
+    def arrays_at(base):
+        inputs = dict(q=_rows(base, batch, seqlen_q, nheads, headdim, varlen),
+                      k=_rows(base + 0x10000, batch, seqlen_k, nheads_kv, headdim, varlen),
+                      v=_rows(base + 0x20000, batch, seqlen_k, nheads_kv, headdim, varlen))
+        if varlen:
+            inputs.update(cu_seqlens_q=arrays.DeviceArray(base + 0x30000, (batch + 1,), (1,)),
+                          cu_seqlens_k=arrays.DeviceArray(base + 0x30100, (batch + 1,), (1,)))
+        if fp8:
+            inputs.update({n: arrays.DeviceArray(base + 0x40000 + 0x100 * i, (batch, h, 3), (h * 3, 3, 1))
+                           for i, (n, h) in enumerate((("q_descale", nheads), ("k_descale", nheads_kv),
+                                                       ("v_descale", nheads_kv)))})
+        out = _rows(base + 0x50000, batch, seqlen_q, nheads, headdim, varlen)
+        lse_shape = (nheads, batch * seqlen_q) if varlen else (batch, nheads, seqlen_q)
+        lse = arrays.DeviceArray(base + 0x60000, lse_shape, arrays.contiguous_strides(lse_shape))
+        return inputs, dict(out=out, lse=lse)
+
+    launched = []
+    function = lambda grid, block, args, shared_mem, stream: launched.append((grid, block, args, shared_mem, stream))
+    inputs, outputs = arrays_at(0)
+    launch = fwd_sm90.prepare(variant, function, problem, inputs, outputs)
+    bases = (1 << 30, 3 << 30)
+    for base in bases:
+        launch(*arrays_at(base), "stream")
+    blocks_m = math.ceil(seqlen_q / 128)
+    slots = []
+    for base, (grid, block, (params,), shared_mem, stream) in zip(bases, launched):
+        assert (grid, block, shared_mem, stream) == ((min(132, blocks_m * nheads * batch),), (384,),
+                                                     variant.dynamic_shared_bytes, "stream")
+        p = np.frombuffer(params.tobytes(), fwd_sm90.FWD_SM90_PARAMS)[0]
+        inputs, outputs = arrays_at(base)
+        for name, rows in (("q", 128), ("k", 128), ("v", 128)):
+            heads = nheads if name == "q" else nheads_kv
+            assert p[f"{name}_map"].tobytes() == fwd_sm90.tensor_map(problem, inputs[name], heads, rows)
+        assert (p["out"], p["lse"]) == (base + 0x50000, base + 0x60000)
+        assert (p["cu_seqlens_q"], p["cu_seqlens_k"]) == ((base + 0x30000, base + 0x30100) if varlen else (0, 0))
+        assert tuple(p["descale"]) == ((base + 0x40000, base + 0x40100, base + 0x40200) if fp8 else (0, 0, 0))
+        assert (p["o_stride_b"], p["o_stride_s"], p["o_stride_h"]) == (
+            (0, nheads * headdim, headdim) if varlen else (seqlen_q * nheads * headdim, nheads * headdim, headdim))
+        assert (p["lse_stride_b"], p["lse_stride_h"]) == ((0, batch * seqlen_q) if varlen else (nheads * seqlen_q, seqlen_q))
+        expected_descale = ((nheads * 3, nheads_kv * 3, nheads_kv * 3), (3, 3, 3), (1, 1, 1)) if fp8 else ((0,) * 3,) * 3
+        assert (tuple(p["descale_stride_b"]), tuple(p["descale_stride_h"]), tuple(p["descale_stride_block"])) == \
+            expected_descale
+        assert (p["seqlen_q"], p["seqlen_k"], p["group"], p["headdim"]) == (seqlen_q, seqlen_k, 3, headdim)
+        assert (p["window_left"], p["window_right"]) == (50, 0)
+        assert (p["scale_log2"], p["softcap_exp2_scale"], p["softcap"]) == pytest.approx(
+            forward.softmax_constants(problem), rel=1e-7)
+        assert (p["nheads"], p["blocks_m"], p["num_tiles"]) == (nheads, blocks_m, blocks_m * nheads * batch)
+        for name, divisor in (("blocks_m", blocks_m), ("nheads", nheads), ("group", 3)):
+            assert (p[f"{name}_mul"], p[f"{name}_shift"]) == fast_divisor(divisor)
+        slots.append(int(p["counter_slot"]))
+    assert (slots[1] - slots[0]) % fwd_sm90.TILE_COUNTERS == 1

@@ -188,11 +188,10 @@ def test_deterministic_gradients_are_bit_identical(headdim, causal, group):
 
 
 @pytest.mark.parametrize("headdim, tiles", [(hd, t) for hd, rows in bwd_sm80.TILES.items() for t in rows])
-def test_every_tile_row(headdim, tiles, monkeypatch):
+def test_every_tile_row(headdim, tiles, monkeypatch, fresh_plans):
     """Each row of the tile table, the fallbacks for GPUs with less shared memory included (forced
     here): GQA, a window, ragged tails, deterministic and not."""
     monkeypatch.setattr(bwd_sm80, "tiles_override", {headdim: tiles})
-    monkeypatch.setattr(dispatch, "_plans", {})
     g = torch.Generator(device="cuda").manual_seed(headdim)
     q, dout = (_randn(g, torch.float16, 2, 150, 4, headdim) for _ in range(2))
     k, v = (_randn(g, torch.float16, 2, 170, 2, headdim) for _ in range(2))
@@ -205,7 +204,7 @@ def test_every_tile_row(headdim, tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("headdim, dq_buffers", [(64, 0), (64, 1), (64, 2), (128, 0), (128, 1)])
-def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch):
+def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch, fresh_plans):
     """bwd_sm90's ways of adding dQ (DQ_BUFFERS: the consumers' own reductions, or staged for bulk
     reductions in one or two buffers), each forced: GQA, a window, ragged tails, more query tiles
     than Q/dO slots and dQ buffers."""
@@ -213,7 +212,6 @@ def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch):
     from cuflash.kernels import bwd_sm90
 
     monkeypatch.setitem(bwd_sm90.DQ_BUFFERS, headdim, dq_buffers)
-    monkeypatch.setattr(dispatch, "_plans", {})
     g = torch.Generator(device="cuda").manual_seed(headdim + dq_buffers)
     q, dout = (_randn(g, torch.bfloat16, 2, 450, 4, headdim) for _ in range(2))
     k, v = (_randn(g, torch.bfloat16, 2, 270, 2, headdim) for _ in range(2))
@@ -325,3 +323,20 @@ def test_jax_grad_runs_the_backward_kernel():
     for got, w in zip(grads, leaves):
         got = torch.from_dlpack(got).float()
         assert (got - w.grad).abs().max().item() < 0.05 * w.grad.abs().max().item() + 1e-3
+
+
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+def test_repeated_calls_read_each_calls_arrays(backend):
+    """The backward's calls after the first with arrays laid out alike skip the checks and reuse
+    the prepared launch (dispatch.run_checked): each must read its own arrays."""
+    if backend == "sm90":
+        _requires_hopper()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    for _ in range(3):
+        q, dout = (_randn(g, torch.bfloat16, 2, 200, 4, 64) for _ in range(2))
+        k, v = (_randn(g, torch.bfloat16, 2, 260, 2, 64) for _ in range(2))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **kw, backend=backend)
+        _check(dict(zip(("dq", "dk", "dv"), grads)), _grads(q, k, v, dout, torch.float32, kw),
+               _grads(q, k, v, dout, torch.bfloat16, kw), torch.bfloat16)

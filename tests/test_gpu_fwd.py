@@ -281,3 +281,33 @@ def test_unaligned_strides_are_refused_by_name():
     odd = torch.randn(1, 64, 2, 65, device="cuda", dtype=torch.float16)[..., :64]
     with pytest.raises(NotImplementedError, match="16-byte"):
         cuflash.attention(odd, odd, odd)
+
+
+@BACKENDS
+def test_repeated_calls_read_each_calls_arrays(backend):
+    """Calls after the first with arrays laid out alike skip the argument checks and reuse the prepared
+    launch (dispatch.run_checked). Each must read its own arrays and write its own outputs (torch's
+    allocator is handed a NaN-filled block to give back), a changed layout must be a new call, the
+    launch must go to the caller's current stream, and a bad argument must still be refused."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    shape_q, shape_kv = (2, 300, 4, 128), (2, 333, 2, 128)
+    for layout in ("contiguous", "contiguous", "bhsd", "contiguous", "padded"):
+        q = _strided(shape_q, torch.bfloat16, layout, g)
+        k, v = (_strided(shape_kv, torch.bfloat16, layout, g) for _ in range(2))
+        for shape, dtype in ((shape_q, torch.bfloat16), ((2, 4, 300), torch.float32)):  # out's and lse's
+            torch.full(shape, float("nan"), device="cuda", dtype=dtype)  # freed at once, handed out next
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+        _check(out, lse, q, k, v, kw)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        q, k, v = (torch.zeros(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_kv, shape_kv))
+        torch.cuda._sleep(50_000_000)  # ~25 ms on `side` before the inputs are written
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    side.synchronize()
+    _check(out, lse, q, k, v, kw)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention(q, k, v, causal=1, backend=backend)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -15,7 +16,7 @@ import numpy as np
 from .. import jit, tma
 from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool,
                fast_divisor, require_rows_aligned)
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle row: head dims are compiled in multiples of it
@@ -353,27 +354,32 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def tensor_map(problem, array, nheads: int, rows: int) -> bytes:
-    """The TMA descriptor of q, k, v (or dout) for boxes of one swizzle row by `rows` tokens of one head."""
+def map_layout(problem, array, nheads: int, rows: int) -> tuple:
+    """(dims, strides in bytes, box) of the TMA descriptor of q, k, v (or dout) for boxes of one
+    swizzle row by `rows` tokens of one head: everything tma.encode_tiled takes but the address."""
     size = ELEMENT_SIZE[problem.dtype]
     strides = tuple(s * size for s in _token_strides(problem, array))
     atom = SWIZZLE_ROW_BYTES // size  # elements of one swizzle row: the box's inner extent
     if problem.varlen:
-        dims = (problem.headdim, nheads, array.shape[0])
-        box = (atom, 1, rows)
-    else:
-        dims = (problem.headdim, nheads, array.shape[1], problem.batch)
-        box = (atom, 1, rows, 1)
-    return tma.encode_tiled(problem.dtype, array.ptr, dims, strides, box)
+        return (problem.headdim, nheads, array.shape[0]), strides, (atom, 1, rows)
+    return (problem.headdim, nheads, array.shape[1], problem.batch), strides, (atom, 1, rows, 1)
 
 
-def _descales(inputs) -> tuple:
-    """The descale pointers and (batch, head, block) strides the kernel takes: zeros without (16-bit)."""
-    arrays = [inputs.get(name) for name in ("q_descale", "k_descale", "v_descale")]
-    if arrays[0] is None:
-        return (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)
-    strides = [tuple(a.strides) + (0,) * (3 - len(a.strides)) for a in arrays]  # (batch, heads): no block stride
-    return tuple(a.ptr for a in arrays), *(tuple(s[d] for s in strides) for d in range(3))
+def tensor_map(problem, array, nheads: int, rows: int) -> bytes:
+    """The TMA descriptor of q, k, v (or dout) at `array`'s address (map_layout)."""
+    return tma.encode_tiled(problem.dtype, array.ptr, *map_layout(problem, array, nheads, rows))
+
+
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _descale_strides(inputs) -> tuple:
+    """The (batch, head, block) strides of the three descales, as the kernel takes them: one triple
+    per dimension; zeros without descales (16-bit)."""
+    if _DESCALES[0] not in inputs:
+        return (0, 0, 0), (0, 0, 0), (0, 0, 0)
+    strides = [tuple(inputs[n].strides) + (0,) * (3 - len(inputs[n].strides)) for n in _DESCALES]  # (batch, heads): no block stride
+    return tuple(tuple(s[d] for s in strides) for d in range(3))
 
 
 # Successive launches take successive tile-counter slots (see tile_counters in the kernel).
@@ -407,35 +413,78 @@ def _v_transposed_map(vt) -> bytes:
                             (SWIZZLE_ROW_BYTES, compiled, 1, 1))
 
 
-def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
+# Where each call's addresses and tile-counter slot go in the parameter struct: name -> (offset,
+# packing).
+_FIELD_PACKING = {name: (FWD_SM90_PARAMS.fields[name][1], struct.Struct(packing)) for name, packing in (
+    ("out", "<Q"), ("lse", "<Q"), ("cu_seqlens_q", "<Q"), ("cu_seqlens_k", "<Q"), ("descale", "<3Q"),
+    ("counter_slot", "<i"))}
+assert all(p.size == FWD_SM90_PARAMS[n].itemsize for n, (_, p) in _FIELD_PACKING.items())
+_MAP_OFFSET = {name: FWD_SM90_PARAMS.fields[f"{name}_map"][1] for name in ("q", "k", "v")}
+
+
+def _write(params: bytearray, name: str, *values) -> None:
+    offset, packing = _FIELD_PACKING[name]
+    packing.pack_into(params, offset, *values)
+
+
+def _launch_nothing(inputs, outputs, stream) -> None:
+    """An empty problem (no query rows, heads or batch): no tile to run."""
+
+
+def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
+    """Family.prepare: the grid, the parameter struct without addresses and the tensor maps' layouts,
+    made once; each launch writes the addresses in, looks the maps up by address (tma.encode_tiled
+    remembers them) and takes the next tile-counter slot."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
     if num_tiles == 0:
-        return
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    if variant.v_pretransposed:
-        vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
-        _transpose_v(problem, v, vt, stream)
-        v_map = _v_transposed_map(vt)
-    else:
-        v_map = tensor_map(problem, v, problem.nheads_kv, variant.block_n)
-    out, lse = outputs["out"], outputs["lse"]
-    o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
-    descale_ptrs, *descale_strides = _descales(inputs)
+        return _launch_nothing
+    extents = {"q": (problem.nheads, variant.block_m), "k": (problem.nheads_kv, variant.block_n),
+               "v": (problem.nheads_kv, variant.block_n)}
+    if variant.v_pretransposed:  # V^T's map is of the workspace, made at each launch
+        del extents["v"]
+    maps = [(name, _MAP_OFFSET[name], map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     group = problem.nheads // problem.nheads_kv
-    params = np.empty(1, FWD_SM90_PARAMS)
-    params[0] = (tensor_map(problem, q, problem.nheads, variant.block_m),
-                 tensor_map(problem, k, problem.nheads_kv, variant.block_n),
-                 v_map,
-                 out.ptr, lse.ptr, cu_q, cu_k, descale_ptrs, *o_strides, *lse_strides, *descale_strides,
-                 problem.seqlen_q, problem.seqlen_k, group, problem.headdim,
-                 *kernel_window(problem), *softmax_constants(problem), problem.nheads, blocks_m, num_tiles,
-                 next(_counter_slots), *fast_divisor(blocks_m), *fast_divisor(problem.nheads),
-                 *fast_divisor(group))
+    params = np.zeros((), FWD_SM90_PARAMS)
+    params["o_stride_b"], params["o_stride_s"], params["o_stride_h"] = token_strides(problem, outputs["out"])
+    params["lse_stride_b"], params["lse_stride_h"] = row_strides(problem, outputs["lse"])
+    params["descale_stride_b"], params["descale_stride_h"], params["descale_stride_block"] = _descale_strides(inputs)
+    params["seqlen_q"], params["seqlen_k"], params["group"] = problem.seqlen_q, problem.seqlen_k, group
+    params["headdim"] = problem.headdim
+    params["window_left"], params["window_right"] = kernel_window(problem)
+    params["scale_log2"], params["softcap_exp2_scale"], params["softcap"] = softmax_constants(problem)
+    params["nheads"], params["blocks_m"], params["num_tiles"] = problem.nheads, blocks_m, num_tiles
+    for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group)):
+        params[f"{name}_mul"], params[f"{name}_shift"] = fast_divisor(divisor)
+    template = params.tobytes()
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
-    grid = min(num_tiles, sm_count) if persistent else num_tiles
-    with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
-        function((grid,), (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
+    grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
+    block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        params = bytearray(template)
+        for name, offset, (dims, strides, box) in maps:
+            params[offset:offset + tma.MAP_BYTES] = tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box)
+        if variant.v_pretransposed:
+            vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
+            _transpose_v(problem, inputs["v"], vt, stream)
+            params[_MAP_OFFSET["v"]:_MAP_OFFSET["v"] + tma.MAP_BYTES] = _v_transposed_map(vt)
+        _write(params, "out", outputs["out"].ptr)
+        _write(params, "lse", outputs["lse"].ptr)
+        if problem.varlen:
+            _write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
+            _write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+        if fp8:
+            _write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
+        _write(params, "counter_slot", next(_counter_slots))
+        # as raw bytes: CuPy inspects a structured dtype field by field on every launch
+        function(grid, block, (np.frombuffer(params, PARAMS_BYTES),), shared_mem=shared_mem, stream=stream)
+
+    return launch_prepared
+
+
+def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 FAMILY = Family(
@@ -448,6 +497,7 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     launch=launch,
+    prepare=prepare,
 )
 
 FP8_FAMILY = Family(
@@ -460,6 +510,7 @@ FP8_FAMILY = Family(
     variants_for=fp8_variants_for,
     select=select_fp8,
     launch=launch,
+    prepare=prepare,
     dtypes=frozenset({FP8}),
     workspace=fp8_workspace,
 )
