@@ -438,34 +438,38 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     signs drawn from `seed` (headdim a power of two): give q and k the same seed, and never
     transform v (reference.hadamard_matrix).
     """
-    info = _describe_all(dict(x=x))["x"]
-    if info.framework == "cupy":
-        raise TypeError("x is a CuPy array, and CuPy has no float8_e4m3fn dtype for x8: pass a torch tensor or a JAX "
-                        "array (zero-copy from CuPy: torch.from_dlpack(x))")
-    _check_rank(info, 4, _ATTENTION_LAYOUT)
-    _check_unit_last_stride(info)
-    _check_dtype_supported("quantize_fp8", info)
-    expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
-                f"scales per {FP8_BLOCK} rows)")
-    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
-        raise TypeError(f"block must be {expected}; got {block!r}")
-    if block is not None and block != FP8_BLOCK:
-        raise ValueError(f"block must be {expected}; got {block!r}")
-    hadamard = _check_flag("hadamard", hadamard)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int >= 0; got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-    batch, seqlen, nheads, headdim = info.shape
-    if block is not None:
-        block = FP8_BLOCK  # a plain int (not a NumPy integer) in the Problem
-    if hadamard:
-        _check_hadamard_headdim("x", headdim)
-    problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype, batch=batch,
-                      seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
-                      fp8_block=block, hadamard_seed=int(seed) if hadamard else None)
-    descale_shape = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
-    return dispatch.run(problem, dict(x=x), dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32")))
+    named = dict(x=x)
+
+    def check():
+        info = _describe_all(named)["x"]
+        if info.framework == "cupy":
+            raise TypeError("x is a CuPy array, and CuPy has no float8_e4m3fn dtype for x8: pass a torch tensor or a "
+                            "JAX array (zero-copy from CuPy: torch.from_dlpack(x))")
+        _check_rank(info, 4, _ATTENTION_LAYOUT)
+        _check_unit_last_stride(info)
+        _check_dtype_supported("quantize_fp8", info)
+        expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
+                    f"scales per {FP8_BLOCK} rows)")
+        if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
+            raise TypeError(f"block must be {expected}; got {block!r}")
+        if block is not None and block != FP8_BLOCK:
+            raise ValueError(f"block must be {expected}; got {block!r}")
+        transform = _check_flag("hadamard", hadamard)
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int >= 0; got {seed!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        batch, seqlen, nheads, headdim = info.shape
+        if transform:
+            _check_hadamard_headdim("x", headdim)
+        problem = Problem(op="quantize_fp8", framework=info.framework, device=info.device, dtype=info.dtype,
+                          batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads,
+                          headdim=headdim, fp8_block=None if block is None else FP8_BLOCK,  # a plain int
+                          hadamard_seed=int(seed) if transform else None)
+        descale_shape = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
+        return problem, dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32"))
+
+    return dispatch.run_checked(dispatch.call_signature("quantize_fp8", named, (block, hadamard, seed)), named, check)
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,

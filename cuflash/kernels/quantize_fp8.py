@@ -5,6 +5,7 @@ reference.quantize_fp8's). Needs the e4m3 conversion of sm_89 and newer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -60,13 +61,14 @@ def select(problem, inputs) -> QuantizeFp8Variant:
     return QuantizeFp8Variant(problem.dtype, headdim, hadamard)
 
 
-def _sign_bits(headdim: int, seed: int | None) -> list[int]:
+@lru_cache(maxsize=64)  # drawing the signs costs more than the launch
+def _sign_bits(headdim: int, seed: int | None) -> tuple[int, ...]:
     """Bit j set where the transform negates element j (four 64-bit words)."""
     words = [0] * 4
     if seed is not None:
         for j in np.flatnonzero(reference.hadamard_signs(headdim, seed) < 0):
             words[int(j) // 64] |= 1 << (int(j) % 64)
-    return words
+    return tuple(words)
 
 
 def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
