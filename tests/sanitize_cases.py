@@ -19,6 +19,8 @@ CASES = (("bfloat16", 200, 333, 4, 2, 128, dict(causal=True)), ("float16", 77, 5
          # more tiles than a Hopper has SMs: the persistent fwd_sm90 runs several tiles per CTA
          ("bfloat16", 600, 600, 32, 8, 64, dict(causal=True)), ("float16", 300, 300, 48, 48, 256, {}),
          ("bfloat16", 300, 300, 64, 16, 128, dict(causal=True)),
+         # and unmasked (head dim 128: two ping-pong consumers; 64: three)
+         ("bfloat16", 500, 700, 48, 8, 128, {}), ("float16", 700, 500, 40, 40, 64, {}),
          # the tile table's rows at head dim 128 past 1024 keys: three consumers (up to 4096), then
          # two with the P V overlap
          ("bfloat16", 300, 2100, 4, 2, 128, dict(causal=True)), ("bfloat16", 300, 4200, 4, 2, 128, {}))
