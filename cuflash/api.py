@@ -513,24 +513,32 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
 
 def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard):
     """attention(..., fp8=True): quantize_fp8 then attention_fp8, out in q's dtype. Every argument is
-    checked before anything is quantized."""
-    infos = _describe_all(dict(q=q, k=k, v=v))
-    dtype = infos["q"].dtype
-    if dtype not in FP8_OUT_DTYPES:
-        raise TypeError(f"fp8=True quantizes float16 or bfloat16 q, k and v; q has dtype {dtype}")
-    if _finite_float("softcap", softcap, "0 with fp8=True") != 0:
-        raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
-    problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
-    _check_flag("return_lse", return_lse)
-    if hadamard:
-        _check_hadamard_headdim("q", problem.headdim)
-    backend = _check_backend(backend, "attention_fp8_forward", problem.device)
-    why = dispatch.unavailable("attention_fp8_forward", problem.device, backend) if problem.device.is_cuda else None
-    if why:
-        raise NotImplementedError(f"cuflash cannot run FP8 attention (attention_fp8_forward) on GPU {problem.device}, "
-                                  f"{why}: fp8=True quantizes nothing there")
+    checked before anything is quantized (once per call signature: dispatch.remembered)."""
+    named = dict(q=q, k=k, v=v)
+
+    def check():
+        infos = _describe_all(named)
+        dtype = infos["q"].dtype
+        if dtype not in FP8_OUT_DTYPES:
+            raise TypeError(f"fp8=True quantizes float16 or bfloat16 q, k and v; q has dtype {dtype}")
+        if _finite_float("softcap", softcap, "0 with fp8=True") != 0:
+            raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
+        problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
+        if hadamard:
+            _check_hadamard_headdim("q", problem.headdim)
+        fp8_backend = _check_backend(backend, "attention_fp8_forward", problem.device)
+        why = dispatch.unavailable("attention_fp8_forward", problem.device, fp8_backend) if problem.device.is_cuda else None
+        if why:
+            raise NotImplementedError(f"cuflash cannot run FP8 attention (attention_fp8_forward) on GPU "
+                                      f"{problem.device}, {why}: fp8=True quantizes nothing there")
+        return dtype, fp8_backend
+
+    signature = dispatch.call_signature("attention_quantized", named, (causal, softmax_scale, window, softcap, backend,
+                                                                        hadamard))
+    dtype, fp8_backend = dispatch.remembered(signature, check)
+    return_lse = _check_flag("return_lse", return_lse)
     q8, q_descale = quantize_fp8(q, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     k8, k_descale = quantize_fp8(k, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
     v8, v_descale = quantize_fp8(v, block=FP8_BLOCK)
     return attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, window=window,
-                         softmax_scale=softmax_scale, out_dtype=dtype, return_lse=return_lse, backend=backend)
+                         softmax_scale=softmax_scale, out_dtype=dtype, return_lse=return_lse, backend=fp8_backend)

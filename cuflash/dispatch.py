@@ -64,7 +64,7 @@ def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> 
 # first call with a signature runs the checks; a later one runs what they concluded: the outputs to
 # allocate and a prepared launch (Family.launcher), with only the arrays' addresses new.
 
-_calls: dict[tuple, Any] = {}  # call signature -> _prepared_run's function of the inputs
+_calls: dict[tuple, Any] = {}  # call signature -> what `remembered` made for it
 _MAX_CALLS = 4096
 
 
@@ -89,21 +89,31 @@ def call_signature(op: str, arrays_: dict[str, Any], scalars: tuple) -> tuple | 
     return key
 
 
-def run_checked(signature: tuple | None, inputs: dict[str, Any], check) -> tuple:
-    """`run` the Problem and outputs that `check()` returns after every argument check, or, for a
-    call signature (call_signature) seen before, what that check concluded then, without checking
-    again."""
-    prepared = _calls.get(signature) if signature is not None else None
-    if prepared is None:
-        problem, outputs = check()
-        if signature is None:
-            return run(problem, inputs, outputs)
-        assert problem.device.is_cuda and problem.framework != "jax", "signatures are of GPU torch/CuPy arrays"
-        prepared = _prepared_run(problem, inputs, outputs)
+def remembered(signature: tuple | None, make):
+    """make(), which runs a call's argument checks and returns what they concluded, or, for a call
+    signature (call_signature) seen before, what it returned then, without checking again. A
+    check that raises leaves nothing behind: the next call checks again."""
+    if signature is None:
+        return make()
+    value = _calls.get(signature)
+    if value is None:
+        value = make()
         if len(_calls) >= _MAX_CALLS:
             _calls.clear()
-        _calls[signature] = prepared
-    return prepared(inputs)
+        _calls[signature] = value
+    return value
+
+
+def run_checked(signature: tuple | None, inputs: dict[str, Any], check) -> tuple:
+    """`run` the Problem and outputs that `check()` returns after every argument check; remembered
+    per call signature (`remembered`) as a prepared run (`_prepared_run`)."""
+    def prepare():
+        problem, outputs = check()
+        if problem.device.is_cuda and problem.framework != "jax":  # (every call with a signature)
+            return _prepared_run(problem, inputs, outputs)
+        return lambda inputs: run(problem, inputs, outputs)
+
+    return remembered(signature, prepare)(inputs)
 
 
 def _prepared_run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]):

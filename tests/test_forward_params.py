@@ -134,3 +134,27 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
             assert (p[f"{name}_mul"], p[f"{name}_shift"]) == fast_divisor(divisor)
         slots.append(int(p["counter_slot"]))
     assert (slots[1] - slots[0]) % fwd_sm90.TILE_COUNTERS == 1
+
+
+def test_param_struct_writes_each_field_where_the_dtype_puts_it():
+    """kernels.ParamStruct: a template with some fields set, then per-call writes of scalars, arrays
+    and opaque bytes, read back through the struct's dtype."""
+    import numpy as np
+
+    from cuflash.kernels import ParamStruct
+
+    dtype = np.dtype({"names": ["blob", "ptr", "ptrs", "stride", "n", "scale"],
+                      "formats": [(np.void, 16), np.uint64, (np.uint64, 3), np.int64, np.int32, np.float32],
+                      "itemsize": 80})
+    params = ParamStruct(dtype)
+    template = params.template(stride=-7, n=5, scale=0.25)
+    buf = bytearray(template)
+    params.write(buf, "blob", bytes(range(16)))
+    params.write(buf, "ptr", 2**64 - 1)
+    params.write(buf, "ptrs", 1, 2, 3)
+    p = params.argument(buf).view(dtype)[0]
+    assert p["blob"].tobytes() == bytes(range(16)) and p["ptr"] == 2**64 - 1 and tuple(p["ptrs"]) == (1, 2, 3)
+    assert (p["stride"], p["n"], p["scale"]) == (-7, 5, 0.25)
+    assert bytearray(template) != buf and np.frombuffer(template, dtype)[0]["ptr"] == 0  # the template is untouched
+    with pytest.raises(AssertionError):
+        params.write(buf, "blob", b"short")

@@ -193,8 +193,9 @@ def test_fp8_attention_public_api_returns_lse_and_out_dtype():
 @hopper_only
 @pytest.mark.parametrize("headdim, seqlen_q", [(128, 300), (256, 600)])  # 256 beyond 512 rows: V^T beforehand
 def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
-    """attention_fp8's calls after the first with arrays laid out alike skip the checks and reuse the
-    prepared launch (dispatch.run_checked): each must read its own arrays and descales."""
+    """Calls of quantize_fp8, attention_fp8 and attention(fp8=True) after the first with arrays laid
+    out alike skip the checks and reuse the prepared launches (dispatch.run_checked): each must
+    read its own arrays and descales."""
     g = torch.Generator(device="cuda").manual_seed(headdim)
     kw = dict(causal=True, window=(-1, -1), softmax_scale=None)
     for _ in range(3):
@@ -204,6 +205,10 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
         out, lse = cuflash.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), causal=True,
                                          return_lse=True)
         _check(out, lse, quantized, kw)
+        (q8, q_descale), (k8, k_descale) = (cuflash.quantize_fp8(x, block=128, hadamard=True) for x in (q, k))
+        v8, v_descale = quantized[2]
+        assert torch.equal(cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True),
+                           cuflash.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True))
 
 
 @hopper_only

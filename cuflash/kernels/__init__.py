@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
+
+import numpy as np
 
 # C++ spelling of each element type, as cuda_src/common/types.cuh defines it.
 CXX_TYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
@@ -53,6 +56,50 @@ class Variant:
             value = getattr(self, f.name)
             parts.append(f"{f.name}={SHORT_DTYPE.get(value, value)}")
         return "/".join(parts)
+
+
+class ParamStruct:
+    """A kernel's by-value parameter struct: `dtype` reproduces the C++ struct field for field. A
+    prepared launch (Family.prepare) fills what does not depend on the arrays' addresses once
+    (`template`) and per call writes the addresses into a copy of those bytes (`write`); the kernel
+    gets the bytes as one argument (`argument`: CuPy would inspect a structured dtype field by
+    field on every launch)."""
+
+    _PACKING = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f"}
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+        self._void = np.dtype((np.void, dtype.itemsize))
+        self._fields = {}
+        for name, (field, offset, *_) in dtype.fields.items():
+            if field.base.kind == "V":  # opaque bytes (a tensor map): written as they are
+                self._fields[name] = (offset, field.itemsize)
+            else:
+                count = field.shape[0] if field.shape else 1
+                self._fields[name] = (offset, struct.Struct(
+                    "<" + self._PACKING[field.base.kind, field.base.itemsize] * count))
+
+    def template(self, **fields) -> bytes:
+        """The struct's bytes with `fields` set and every other field zero."""
+        params = np.zeros((), self.dtype)
+        for name, value in fields.items():
+            params[name] = value
+        return params.tobytes()
+
+    def write(self, params: bytearray, name: str, *values) -> None:
+        """Field `name` of `params` (a copy of a template) set to `values` (its elements, or one
+        bytes object for an opaque field)."""
+        offset, packing = self._fields[name]
+        if isinstance(packing, int):
+            (data,) = values
+            assert len(data) == packing, (name, len(data))
+            params[offset:offset + packing] = data
+        else:
+            packing.pack_into(params, offset, *values)
+
+    def argument(self, params: bytearray) -> np.ndarray:
+        """`params` as the kernel argument CuPy passes by value."""
+        return np.frombuffer(params, self._void)
 
 
 ROW_ALIGN_BYTES = 16  # one cp.async chunk or vector load

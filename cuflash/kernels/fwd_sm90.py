@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import struct
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from .. import jit, tma
-from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool,
-               fast_divisor, require_rows_aligned)
+from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim,
+               cxx_bool, fast_divisor, require_rows_aligned)
 from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
@@ -136,7 +135,7 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
               for part, t in (("mul", np.uint32), ("shift", np.int32))])
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 640})
 assert FWD_SM90_PARAMS.fields["group_shift"][1] == 588, "keep in step with FwdSm90Params"
-PARAMS_BYTES = np.dtype((np.void, FWD_SM90_PARAMS.itemsize))
+PARAMS = ParamStruct(FWD_SM90_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -413,20 +412,6 @@ def _v_transposed_map(vt) -> bytes:
                             (SWIZZLE_ROW_BYTES, compiled, 1, 1))
 
 
-# Where each call's addresses and tile-counter slot go in the parameter struct: name -> (offset,
-# packing).
-_FIELD_PACKING = {name: (FWD_SM90_PARAMS.fields[name][1], struct.Struct(packing)) for name, packing in (
-    ("out", "<Q"), ("lse", "<Q"), ("cu_seqlens_q", "<Q"), ("cu_seqlens_k", "<Q"), ("descale", "<3Q"),
-    ("counter_slot", "<i"))}
-assert all(p.size == FWD_SM90_PARAMS[n].itemsize for n, (_, p) in _FIELD_PACKING.items())
-_MAP_OFFSET = {name: FWD_SM90_PARAMS.fields[f"{name}_map"][1] for name in ("q", "k", "v")}
-
-
-def _write(params: bytearray, name: str, *values) -> None:
-    offset, packing = _FIELD_PACKING[name]
-    packing.pack_into(params, offset, *values)
-
-
 def _launch_nothing(inputs, outputs, stream) -> None:
     """An empty problem (no query rows, heads or batch): no tile to run."""
 
@@ -443,42 +428,39 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
                "v": (problem.nheads_kv, variant.block_n)}
     if variant.v_pretransposed:  # V^T's map is of the workspace, made at each launch
         del extents["v"]
-    maps = [(name, _MAP_OFFSET[name], map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
+    maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     group = problem.nheads // problem.nheads_kv
-    params = np.zeros((), FWD_SM90_PARAMS)
-    params["o_stride_b"], params["o_stride_s"], params["o_stride_h"] = token_strides(problem, outputs["out"])
-    params["lse_stride_b"], params["lse_stride_h"] = row_strides(problem, outputs["lse"])
-    params["descale_stride_b"], params["descale_stride_h"], params["descale_stride_block"] = _descale_strides(inputs)
-    params["seqlen_q"], params["seqlen_k"], params["group"] = problem.seqlen_q, problem.seqlen_k, group
-    params["headdim"] = problem.headdim
-    params["window_left"], params["window_right"] = kernel_window(problem)
-    params["scale_log2"], params["softcap_exp2_scale"], params["softcap"] = softmax_constants(problem)
-    params["nheads"], params["blocks_m"], params["num_tiles"] = problem.nheads, blocks_m, num_tiles
+    fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
+                  nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles)
+    fields.update(zip(("o_stride_b", "o_stride_s", "o_stride_h"), token_strides(problem, outputs["out"])))
+    fields.update(zip(("lse_stride_b", "lse_stride_h"), row_strides(problem, outputs["lse"])))
+    fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
+    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
+    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
     for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group)):
-        params[f"{name}_mul"], params[f"{name}_shift"] = fast_divisor(divisor)
-    template = params.tobytes()
+        fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
+    template = PARAMS.template(**fields)
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
     block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
-        for name, offset, (dims, strides, box) in maps:
-            params[offset:offset + tma.MAP_BYTES] = tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box)
+        for field, name, (dims, strides, box) in maps:
+            PARAMS.write(params, field, tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box))
         if variant.v_pretransposed:
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
             _transpose_v(problem, inputs["v"], vt, stream)
-            params[_MAP_OFFSET["v"]:_MAP_OFFSET["v"] + tma.MAP_BYTES] = _v_transposed_map(vt)
-        _write(params, "out", outputs["out"].ptr)
-        _write(params, "lse", outputs["lse"].ptr)
+            PARAMS.write(params, "v_map", _v_transposed_map(vt))
+        PARAMS.write(params, "out", outputs["out"].ptr)
+        PARAMS.write(params, "lse", outputs["lse"].ptr)
         if problem.varlen:
-            _write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
-            _write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
+            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
         if fp8:
-            _write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
-        _write(params, "counter_slot", next(_counter_slots))
-        # as raw bytes: CuPy inspects a structured dtype field by field on every launch
-        function(grid, block, (np.frombuffer(params, PARAMS_BYTES),), shared_mem=shared_mem, stream=stream)
+            PARAMS.write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
+        PARAMS.write(params, "counter_slot", next(_counter_slots))
+        function(grid, block, (PARAMS.argument(params),), shared_mem=shared_mem, stream=stream)
 
     return launch_prepared
 

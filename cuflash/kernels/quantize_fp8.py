@@ -10,18 +10,18 @@ from functools import lru_cache
 import numpy as np
 
 from .. import reference
-from . import CXX_TYPES, Family, Variant, check_grid_yz, cxx_bool
+from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, cxx_bool
 
 HEADDIMS = (64, 128, 256)  # compiled; a head dim below one (a multiple of 8) runs on it, zero-filled
 WARPS = 4
 
 # The kernel's QuantizeFp8Params struct, field for field.
-PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale")]
+QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale")]
                   + [(f"{t}_stride_{d}", np.int64) for t in ("x", "x8") for d in ("b", "s", "h")]
                   + [("signs", np.uint64, (4,))]
                   + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "block")])
-assert PARAMS.itemsize == 120, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 120)"
-PARAMS_BYTES = np.dtype((np.void, PARAMS.itemsize))
+assert QUANTIZE_FP8_PARAMS.itemsize == 120, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 120)"
+PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,13 @@ def _sign_bits(headdim: int, seed: int | None) -> tuple[int, ...]:
     return tuple(words)
 
 
-def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
+def _launch_nothing(inputs, outputs, stream) -> None:
+    """An empty x: no group to quantize."""
+
+
+def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
+    """Family.prepare: the grid and the parameter struct without addresses, made once; each launch
+    writes x's, x8's and descale's addresses in."""
     # One CTA per group of rows (the whole head, or a block of reference.FP8_BLOCK rows; a sequence
     # shorter than a block is one short block), each writing its group's descale: descale
     # (batch, nheads, groups) or (batch, nheads), contiguous, as api.quantize_fp8 allocates it.
@@ -79,15 +85,27 @@ def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stre
     groups = reference.fp8_blocks(problem.seqlen_q) if block else 1
     assert block in (0, reference.FP8_BLOCK), block
     if groups * problem.nheads * problem.batch == 0:
-        return
+        return _launch_nothing
     check_grid_yz("quantize_fp8", problem.nheads, problem.batch)
-    x, x8, descale = inputs["x"], outputs["x8"], outputs["descale"]
-    params = np.empty(1, PARAMS)
-    params[0] = (x.ptr, x8.ptr, descale.ptr, *x.strides[:3], *x8.strides[:3],
-                 _sign_bits(problem.headdim, problem.hadamard_seed), problem.seqlen_q, problem.nheads,
-                 problem.headdim, block)
-    with stream:
-        function((groups, problem.nheads, problem.batch), (32 * variant.warps,), (params.view(PARAMS_BYTES),))
+    fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
+                  nheads=problem.nheads, headdim=problem.headdim, block=block)
+    for name, x in (("x", inputs["x"]), ("x8", outputs["x8"])):
+        fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
+    template = PARAMS.template(**fields)
+    grid, block_dim = (groups, problem.nheads, problem.batch), (32 * variant.warps,)
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        params = bytearray(template)
+        PARAMS.write(params, "x", inputs["x"].ptr)
+        PARAMS.write(params, "x8", outputs["x8"].ptr)
+        PARAMS.write(params, "descale", outputs["descale"].ptr)
+        function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
+
+    return launch_prepared
+
+
+def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 FAMILY = Family(
@@ -99,4 +117,5 @@ FAMILY = Family(
     variants_for=lambda compute_capability: VARIANTS,
     select=select,
     launch=launch,
+    prepare=prepare,
 )
