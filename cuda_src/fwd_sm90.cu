@@ -42,7 +42,9 @@
 // Each consumer releases Q once its last GEMM of the tile is done (or, with O staged in Q's tile,
 // once O is stored), so the next tile's Q loads while it divides O by the row sums and stores it
 // (OStage: through shared memory in 16-byte row chunks, or straight from the accumulators); the
-// LSE goes out in natural log.
+// LSE goes out in natural log. With kQBuffers = 2 (where shared memory has room) tiles alternate
+// between two Q buffers, and a tile's Q loads as soon as the producer has issued the K/V loads of
+// the tile before.
 #include "common/masking.cuh"
 #include "common/sm90.cuh"
 
@@ -144,7 +146,8 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
-          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kVPreTransposed>
+          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kVPreTransposed,
+          int kQBuffers>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   // e4m3 with V as the caller passed it: producer warps 1..3 transpose each block in shared memory.
@@ -191,27 +194,31 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
   static_assert(kFp8 ? kOStage != kOStageInQ : kOStage != kOStageDirect, "16-bit O is staged; e4m3's O outsizes Q");
   static_assert(kStages >= 1, "at least one K/V slot");
+  static_assert(kQBuffers == 1 || (kQBuffers == 2 && kOStage != kOStageInQ), "two Q buffers, or one (and O may be staged in it)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries: round the base up (the launch asks for 1 KiB more).
   const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const unsigned sK = sQ + kQBytes;                 // kStages slots
+  const unsigned sK = sQ + kQBuffers * kQBytes;     // kStages slots
   const unsigned sV = sK + kStages * kKBytes;       // kStages slots (e4m3: V transposed)
   const unsigned sVStaging = sV + kStages * kVBytes;  // e4m3: kStages slots of V as loaded
   const unsigned sO = kOStage == kOStageInQ ? sQ : sVStaging + kVStagingBytes;  // O staged for 16-byte stores
   const unsigned bars = sVStaging + kVStagingBytes + kOBytes;  // mbarriers, 8 bytes each
-  const unsigned q_full = bars, q_empty = bars + 8;
-  auto k_full = [&](int s) { return bars + 8u * (2 + s); };
-  auto v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
-  auto k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  // Q buffer b's: full and empty.
+  auto q_full = [&](unsigned b) { return bars + 16u * b; };
+  auto q_empty = [&](unsigned b) { return bars + 16u * b + 8u; };
+  constexpr int kQBars = 2 * kQBuffers;
+  auto k_full = [&](int s) { return bars + 8u * (kQBars + s); };
+  auto v_full = [&](int s) { return bars + 8u * (kQBars + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (kQBars + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (kQBars + 3 * kStages + s); };
   // e4m3 transposed here: the staging slots' barriers (TMA completes on full; the transposing warps
   // release empty).
-  auto staging_full = [&](int s) { return bars + 8u * (2 + 4 * kStages + s); };
-  auto staging_empty = [&](int s) { return bars + 8u * (2 + 5 * kStages + s); };
+  auto staging_full = [&](int s) { return bars + 8u * (kQBars + 4 * kStages + s); };
+  auto staging_empty = [&](int s) { return bars + 8u * (kQBars + 5 * kStages + s); };
   // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
   // hand-off of the tile before, and read right after its own hand-off (kTileBarrier both times).
-  const unsigned tile_slots = bars + 8u * (2 + (kTranspose ? 6 : 4) * kStages);
+  const unsigned tile_slots = bars + 8u * (kQBars + (kTranspose ? 6 : 4) * kStages);
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
@@ -220,8 +227,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const int lane = tid % 32;
 
   if (tid == 0) {
-    mbarrier_init(q_full, 1);
-    mbarrier_init(q_empty, kConsumerWarps);
+#pragma unroll
+    for (unsigned b = 0; b < kQBuffers; ++b) {
+      mbarrier_init(q_full(b), 1);
+      mbarrier_init(q_empty(b), kConsumerWarps);
+    }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(k_full(s), 1);
@@ -240,7 +250,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // Every tile, the producer publishes its index (index >= num_tiles tells the consumers to stop)
   // and arrives on q_full (with Q's bytes, or without when the tile has no key block to load); the
   // consumers arrive on q_empty once they are done with Q. `it` counts K/V blocks over all of this
-  // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_phase` counts tiles.
+  // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_count` counts tiles.
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Split::kProducer>();
@@ -326,7 +336,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     const bool leader = lane == 0;
     int slot = 0;            // it % kStages, kept incrementally: the producer has few registers
     unsigned parity = 0;     // (it / kStages) & 1
-    unsigned q_phase = 0;
+    // Tiles so far: bit 0 is the tile's parity (its index slot, and its Q buffer when there are two);
+    // the buffer's phase is bit 1 with two buffers, bit 0 with one.
+    unsigned q_count = 0;
     // Tile k's index goes to slot k % 2; the sync waits for the consumers to finish tile k - 1.
     auto hand_off = [&](int index, unsigned k_parity) {
       if (leader) st_shared_b32(tile_slots + 4 * k_parity, static_cast<unsigned>(index));
@@ -340,15 +352,17 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     };
     for (int index = blockIdx.x;;) {
       if (index >= p.num_tiles) {
-        hand_off(index, q_phase);  // q_phase flips once a tile: its parity is the tile count's
+        hand_off(index, q_count & 1);
         break;
       }
       const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
-      if (leader) mbarrier_wait(q_empty, q_phase ^ 1);
-      q_phase ^= 1;
+      const unsigned q_buffer = kQBuffers == 2 ? q_count & 1 : 0;
+      const unsigned tile_parity = q_count & 1;
+      if (leader) mbarrier_wait(q_empty(q_buffer), ((kQBuffers == 2 ? q_count >> 1 : q_count) & 1) ^ 1);
+      q_count = kQBuffers == 2 ? (q_count + 1) & 3 : q_count ^ 1;
       if (t.kb.n_max <= t.kb.n_min) {
-        if (leader) mbarrier_arrive(q_full);
-        hand_off(index, q_phase ^ 1);
+        if (leader) mbarrier_arrive(q_full(q_buffer));
+        hand_off(index, tile_parity);
         index = next_tile();
         continue;
       }
@@ -385,15 +399,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
       };
       if (leader) {
-        mbarrier_arrive_expect_tx(q_full, kQBytes);
-        load(sQ, &p.q_map, q_full, t.h, t.q_row0 + t.m0, kBlockM);
+        mbarrier_arrive_expect_tx(q_full(q_buffer), kQBytes);
+        load(sQ + q_buffer * kQBytes, &p.q_map, q_full(q_buffer), t.h, t.q_row0 + t.m0, kBlockM);
       }
       // K/V blocks from last to first. The first kStages only wait for slots the previous tile
       // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
       int n = t.kb.n_max - 1;
 #pragma unroll 1  // unrolled, these loops no longer fit the producer's 24 registers
       for (int issued = 0; n >= t.kb.n_min && issued < kStages; --n, ++issued) load_kv(n);
-      hand_off(index, q_phase ^ 1);
+      hand_off(index, tile_parity);
 #pragma unroll 1
       for (; n >= t.kb.n_min; --n) load_kv(n);
       index = next_tile();
@@ -437,10 +451,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     }
   };
 
-  // `it` and the Q phase share one register (bit 0: the Q phase; above: it): at head dim 256 with
-  // varlen and softcap a separate register spills.
+  // `it` and the tile count share one register: bit 0 the tile's parity (its index slot, its Q
+  // buffer with two, and its Q phase with one), bit 1 the Q phase with two Q buffers; above: it.
+  // At head dim 256 with varlen and softcap a separate register spills.
+  constexpr unsigned kItShift = kQBuffers == 2 ? 2 : 1, kItStep = 1u << kItShift;
   unsigned progress = 0;
-  auto it = [&]() { return static_cast<int>(progress >> 1); };
+  auto it = [&]() { return static_cast<int>(progress >> kItShift); };
+  // This tile's Q buffer (once the count has moved on to the next tile).
+  auto q_buffer = [&]() { return kQBuffers == 2 ? (progress & 1u) ^ 1u : 0u; };
   for (;;) {
     named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
     // Broadcast from lane 0 so the compiler knows the index and the block count, and all they
@@ -450,14 +468,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     progress = __shfl_sync(0xffffffffu, progress, 0);
     const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);
     if (index >= p.num_tiles) break;
-    mbarrier_wait(q_full, progress & 1);
-    progress ^= 1;
+    if constexpr (kQBuffers == 2) {
+      mbarrier_wait(q_full(progress & 1), (progress >> 1) & 1);
+      progress = (progress & ~3u) | ((progress + 1) & 3u);
+    } else {
+      mbarrier_wait(q_full(0), progress & 1);
+      progress ^= 1;
+    }
     const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
     if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
-      mbarrier_arrive_warp(q_empty);
+      mbarrier_arrive_warp(q_empty(q_buffer()));
       continue;
     }
-    if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);  // nothing was loaded
+    if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));  // nothing was loaded
     float o[kOAcc];
 #pragma unroll
     for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
@@ -500,7 +523,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       auto issue_qk = [&](int slot) {
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
-          Wgmma<T, kBlockN>::ss(s, desc_q + k_major_step(kk, kBlockM),
+          Wgmma<T, kBlockN>::ss(s, desc_q + q_buffer() * (kQBytes >> 4) + k_major_step(kk, kBlockM),
                                 desc_k + slot * (kKBytes >> 4) + k_major_step(kk, kBlockN), kk > 0);
         }
         wgmma_commit();
@@ -571,14 +594,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_arrive_warp(k_empty(slot));
         mbarrier_wait(v_full(slot), parity);
         mbarrier_arrive_warp(v_empty(slot));
-        progress += 2;
+        progress += kItStep;
         turn_begin();  // one turn per block, as if it were computed
         turn_end(false);
       }
       if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
         turn_begin();
         turn_end(true);
-        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);
+        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));
       } else {
         // First block: S and softmax (O is still zero: not rescaled after it, or by its correction, 0).
         const float k_descale_top = kv_descale(1, n_top - 1);
@@ -618,7 +641,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           const float k_descale = kv_descale(1, n), v_descale = kv_descale(2, n);
           if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
           const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
-          progress += 2;
+          progress += kItStep;
           const int slot = it() % kStages;
           mbarrier_wait(k_full(slot), (it() / kStages) & 1);
           mbarrier_wait(v_full(prev), prev_parity);
@@ -646,7 +669,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
         const int last = it() % kStages;
         mbarrier_wait(v_full(last), (it() / kStages) & 1);
-        progress += 2;
+        progress += kItStep;
         turn_begin();
         wgmma_fence();
         issue_pv(last);
@@ -654,7 +677,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_wait<0>();
         pin_registers(o);
         mbarrier_arrive_warp(v_empty(last));
-        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty);  // every S = Q K^T of this warpgroup is done: the next Q may load
+        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));  // every S = Q K^T of this warpgroup is done: the next Q may load
       }
     }
 
@@ -721,7 +744,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if constexpr (kOStage == kOStageInQ) {
       // This warp's reads of the staged O are done: TMA may write the next Q over it.
       fence_proxy_async_shared();
-      mbarrier_arrive_warp(q_empty);
+      mbarrier_arrive_warp(q_empty(0));
     } else if constexpr (kOStage == kOStageOwn) {
       named_barrier_sync(kEpilogueBarrier + e_wg, 128);  // reads done before the next tile's writes
     }

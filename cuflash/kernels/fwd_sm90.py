@@ -35,7 +35,8 @@ FP8_WGMMA_N = (64, 128, 256)
 # of 64 query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
 # bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
 # offline report checks that nothing spills) and, with the stages, by 227 KiB of shared memory (Q
-# and O: block_m rows, K and V: block_n rows per stage). Long sequences take the widest block_n that
+# and O: block_m rows, K and V: block_n rows per stage; a second Q buffer where it still fits,
+# FwdSm90Variant.q_buffers). Long sequences take the widest block_n that
 # fits; shorter ones a narrower one (fewer masked columns, less pipeline fill per tile). Head dim 128
 # from 1k to 4k keys: three consumers of 80 keys (each K/V block serves 192 rows; version 27).
 # pingpong: the consumers take turns issuing GEMMs. overlap_pv: where a consumer finishes P V of
@@ -106,17 +107,17 @@ O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "dir
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str,
-               v_pretransposed: bool) -> int:
+               v_pretransposed: bool, q_buffers: int = 1) -> int:
     fp8 = dtype == FP8
     transpose = fp8 and not v_pretransposed  # V is staged and transposed in shared memory
-    barriers = 8 * (2 + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
+    barriers = 8 * (2 * q_buffers + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
     row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
     # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys) and the staged V (e4m3
     # transposed in the kernel).
     per_stage = block_n * row + (headdim * block_n + (block_n * row if transpose else 0) if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
-    return block_m * row + stages * per_stage + o_bytes + barriers + 1024
+    return q_buffers * block_m * row + stages * per_stage + o_bytes + barriers + 1024
 
 
 # The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field (padded to its
@@ -188,9 +189,9 @@ class FwdSm90Variant(Variant):
     def threads(self) -> int:
         return 128 * (self.consumers + 1)  # and the producer warpgroup
 
-    def _smem_bytes(self, o_stage: str) -> int:
+    def _smem_bytes(self, o_stage: str, q_buffers: int = 1) -> int:
         return smem_bytes(self.dtype, self.headdim, self.block_m, self.block_n, self.stages, o_stage,
-                          self.v_pretransposed)
+                          self.v_pretransposed, q_buffers)
 
     @cached_property  # read at every launch
     def o_stage(self) -> str:
@@ -201,14 +202,23 @@ class FwdSm90Variant(Variant):
         return "direct" if self.dtype == FP8 else "in_q"
 
     @cached_property
+    def q_buffers(self) -> int:
+        """Two Q buffers (a tile's Q loads while the tile before still reads its own) where shared
+        memory has room beside O's own staging tile; otherwise one. Measured on H100: +2-7% at 512-1k
+        query rows (head dims 64 and 128, 16-bit and e4m3), within -1% at 16k (NOTES-sm90.md,
+        version 32)."""
+        return 2 if self.o_stage == "own" and self._smem_bytes("own", 2) <= SMEM_LIMIT else 1
+
+    @cached_property
     def dynamic_shared_bytes(self) -> int:
-        return self._smem_bytes(self.o_stage)
+        return self._smem_bytes(self.o_stage, self.q_buffers)
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
                 str(self.block_n), str(self.stages), cxx_bool(self.pingpong), cxx_bool(self.overlap_pv),
                 O_STAGE_CXX[self.o_stage],
-                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.v_pretransposed))
+                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.v_pretransposed),
+                str(self.q_buffers))
 
 
 @dataclass(frozen=True)
