@@ -115,7 +115,8 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
         inputs, outputs = arrays_at(base)
         for name, rows in (("q", 128), ("k", 128), ("v", 128)):
             heads = nheads if name == "q" else nheads_kv
-            assert p[f"{name}_map"].tobytes() == fwd_sm90.tensor_map(problem, inputs[name], heads, rows)
+            assert p[f"{name}_map"].tobytes() == tma.encode_tiled(problem.dtype, inputs[name].ptr,
+                                                                  *fwd_sm90.map_layout(problem, inputs[name], heads, rows))
         assert (p["out"], p["lse"]) == (base + 0x50000, base + 0x60000)
         assert (p["cu_seqlens_q"], p["cu_seqlens_k"]) == ((base + 0x30000, base + 0x30100) if varlen else (0, 0))
         assert tuple(p["descale"]) == ((base + 0x40000, base + 0x40100, base + 0x40200) if fp8 else (0, 0, 0))

@@ -59,17 +59,29 @@ def select(problem, inputs) -> BwdPreprocessVariant:
     return BwdPreprocessVariant(problem.dtype, headdim, vec)
 
 
-def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
+def _launch_nothing(inputs, outputs, stream) -> None:
+    """No row: nothing to compute."""
+
+
+def prepare(variant: BwdPreprocessVariant, function, problem, inputs, outputs):
+    """Family.prepare: the grid and every argument but the three addresses, made once."""
     if problem.batch * problem.nheads * problem.seqlen_q == 0:
-        return
+        return _launch_nothing
     check_grid_yz("bwd_preprocess", problem.nheads, problem.batch)
-    out, dout, delta = inputs["out"], inputs["dout"], outputs["delta"]
     grid = ((problem.seqlen_q + variant.rows_per_block - 1) // variant.rows_per_block, problem.nheads, problem.batch)
-    args = (np.uint64(out.ptr), np.uint64(dout.ptr), np.uint64(delta.ptr),
-            np.int32(problem.seqlen_q), np.int32(problem.nheads), np.int32(problem.headdim),
-            *(np.int64(s) for s in out.strides[:3]), *(np.int64(s) for s in dout.strides[:3]))
-    with stream:
-        function(grid, (variant.threads,), args)
+    sizes = (np.int32(problem.seqlen_q), np.int32(problem.nheads), np.int32(problem.headdim),
+             *(np.int64(s) for s in inputs["out"].strides[:3]), *(np.int64(s) for s in inputs["dout"].strides[:3]))
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        function(grid, (variant.threads,),
+                 (np.uint64(inputs["out"].ptr), np.uint64(inputs["dout"].ptr), np.uint64(outputs["delta"].ptr), *sizes),
+                 stream=stream)
+
+    return launch_prepared
+
+
+def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 FAMILY = Family(
@@ -81,4 +93,5 @@ FAMILY = Family(
     min_compute_capability=(8, 0),
     select=select,
     launch=launch,
+    prepare=prepare,
 )

@@ -12,10 +12,9 @@ import numpy as np
 
 from .. import jit
 from ..arrays import DeviceArray
-from . import (CXX_TYPES, Family, Variant, bwd_preprocess, check_grid_yz, compiled_headdim, cxx_bool,
+from . import (CXX_TYPES, Family, ParamStruct, Variant, bwd_preprocess, check_grid_yz, compiled_headdim, cxx_bool,
                require_rows_aligned)
-from .forward import (ELEMENT_BYTES, check_headdim, cu_seqlens_pointers, kernel_window, row_strides,
-                      softmax_constants, token_strides)
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
 from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 
 # Compiled head dims: another multiple of 8 runs on the next one up (its extra columns zero-filled
@@ -56,7 +55,7 @@ BWD_PARAMS = np.dtype(
     + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")],
     align=True)
 assert BWD_PARAMS.itemsize == 320, "keep in step with static_assert(sizeof(BwdParams) == 320)"
-PARAMS_BYTES = np.dtype((np.void, BWD_PARAMS.itemsize))
+PARAMS = ParamStruct(BWD_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -182,25 +181,34 @@ def _zero(stream, *arrays_: DeviceArray, itemsize: int) -> None:
             cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * itemsize, stream.ptr)
 
 
-def prepare(problem, inputs, outputs, stream) -> bool:
-    """What every backward kernel needs before it runs: the float32 dQ buffer (and the semaphores)
-    zeroed and delta = rowsum(dout * out) computed. False when there is nothing to compute: the
-    gradients are then zeroed here (the outputs are contiguous)."""
-    dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
-    if _query_rows(problem) * problem.nheads == 0 or math.prod(dk.shape) == 0:
-        # no query sees a key (or there are none): zero gradients
-        _zero(stream, dq, dk, dv, itemsize=ELEMENT_BYTES)
-        return False
-    semaphore = outputs["dq_semaphore"] if problem.deterministic else None
-    _zero(stream, outputs["dq_accum"], *([semaphore] if semaphore else []), itemsize=4)
+def backward_steps(problem, inputs, outputs):
+    """The steps around a backward kernel (bwd_sm80's and bwd_sm90's), prepared for arrays laid out
+    as these: (before, after). before(inputs, outputs, stream) zeroes the float32 dQ buffer (and the
+    semaphores) and computes delta = rowsum(dout * out); after(outputs, stream) writes dq from the
+    dQ buffer (after the main kernel). When there is nothing to compute, before zeroes the
+    gradients (the outputs are contiguous) and after is None: the kernel must not run."""
+    if _query_rows(problem) * problem.nheads == 0 or math.prod(outputs["dk"].shape) == 0:
+        def nothing(inputs, outputs, stream) -> None:  # no query sees a key (or there are none)
+            _zero(stream, outputs["dq"], outputs["dk"], outputs["dv"], itemsize=ELEMENT_BYTES)
+        return nothing, None
+    zeroed = ("dq_accum", "dq_semaphore") if problem.deterministic else ("dq_accum",)
     # The preprocess sees varlen rows as one sequence of total_q rows.
     pre_problem = problem if not problem.varlen else _as_one_sequence(problem)
-    pre_inputs = dict(out=inputs["out"], dout=inputs["dout"]) if not problem.varlen else {
-        n: DeviceArray(inputs[n].ptr, (1, *inputs[n].shape), (0, *inputs[n].strides)) for n in ("out", "dout")}
-    pre_variant = bwd_preprocess.select(pre_problem, pre_inputs)
-    bwd_preprocess.launch(pre_variant, jit.get_function(pre_variant, problem.device.index), pre_problem, pre_inputs,
-                          dict(delta=outputs["delta"]), stream)
-    return True
+
+    def pre_inputs(inputs):
+        if not problem.varlen:
+            return dict(out=inputs["out"], dout=inputs["dout"])
+        return {n: DeviceArray(inputs[n].ptr, (1, *inputs[n].shape), (0, *inputs[n].strides)) for n in ("out", "dout")}
+
+    pre_variant = bwd_preprocess.select(pre_problem, pre_inputs(inputs))
+    preprocess = bwd_preprocess.prepare(pre_variant, jit.get_function(pre_variant, problem.device.index), pre_problem,
+                                        pre_inputs(inputs), dict(delta=outputs["delta"]))
+
+    def before(inputs, outputs, stream) -> None:
+        _zero(stream, *(outputs[n] for n in zeroed), itemsize=4)
+        preprocess(pre_inputs(inputs), dict(delta=outputs["delta"]), stream)
+
+    return before, _convert_dq(problem, outputs)
 
 
 def accumulator_headdim(problem) -> int:
@@ -209,40 +217,64 @@ def accumulator_headdim(problem) -> int:
     return compiled_headdim(problem.headdim, HEADDIMS)
 
 
-def convert_dq(problem, outputs, stream) -> None:
-    """dq = the float32 dQ buffer in the input dtype (after the main kernel)."""
+def _convert_dq(problem, outputs):
+    """after(outputs, stream): dq = the float32 dQ buffer in the input dtype (after the main kernel)."""
     headdim = accumulator_headdim(problem)
-    dq, dq_accum = outputs["dq"], outputs["dq_accum"]
     rows_q = _query_rows(problem)
-    pairs = rows_q * problem.nheads * (headdim // 2)
-    with stream:
-        jit.get_function(BwdSm80DqVariant(problem.dtype, headdim), problem.device.index)(
-            (math.ceil(pairs / 256),), (256,),
-            (np.uint64(dq_accum.ptr), np.uint64(dq.ptr), np.int32(rows_q * problem.nheads), np.int32(problem.nheads),
+    grid = (math.ceil(rows_q * problem.nheads * (headdim // 2) / 256),)
+    function = jit.get_function(BwdSm80DqVariant(problem.dtype, headdim), problem.device.index)
+    sizes = (np.int32(rows_q * problem.nheads), np.int32(problem.nheads),
              np.int32(problem.total_q if problem.varlen else problem.seqlen_q), np.int32(problem.headdim),
-             *(np.int64(s) for s in token_strides(problem, dq))))
+             *(np.int64(s) for s in token_strides(problem, outputs["dq"])))
+
+    def after(outputs, stream) -> None:
+        function(grid, (256,), (np.uint64(outputs["dq_accum"].ptr), np.uint64(outputs["dq"].ptr), *sizes), stream=stream)
+
+    return after
+
+
+def prepare(variant: BwdSm80Variant, function, problem, inputs, outputs):
+    """Family.prepare: the steps around the kernel (backward_steps), its grid and its parameter struct
+    without addresses, made once; each launch writes the addresses in."""
+    before, after = backward_steps(problem, inputs, outputs)
+    if after is None:
+        return before
+    fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, nheads=problem.nheads,
+                  group=problem.nheads // problem.nheads_kv, headdim=problem.headdim, scale=problem.softmax_scale)
+    for t, x in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("do", inputs["dout"]),
+                 ("dk", outputs["dk"]), ("dv", outputs["dv"])):
+        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, x)))
+    for t in ("lse", "delta"):
+        fields.update(zip((f"{t}_stride_b", f"{t}_stride_h"),
+                          row_strides(problem, inputs[t] if t == "lse" else outputs[t])))
+    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
+    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
+    template = PARAMS.template(**fields)
+    grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
+    ins, outs = ("q", "k", "v", "dout", "lse"), ("delta", "dq_accum", "dk", "dv")
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        before(inputs, outputs, stream)
+        if grid[0]:
+            params = bytearray(template)
+            for name in ins:
+                PARAMS.write(params, name, inputs[name].ptr)
+            for name in outs:  # contiguous, as workspace() declares them
+                PARAMS.write(params, name, outputs[name].ptr)
+            if problem.varlen:
+                PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
+                PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+            if problem.deterministic:
+                PARAMS.write(params, "dq_semaphore", outputs["dq_semaphore"].ptr)
+            function(grid, (variant.threads,), (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes,
+                     stream=stream)
+        after(outputs, stream)
+
+    return launch_prepared
 
 
 def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
-    if not prepare(problem, inputs, outputs, stream):
-        return
-    q, k, v, dout, lse = (inputs[n] for n in ("q", "k", "v", "dout", "lse"))
-    dk, dv = outputs["dk"], outputs["dv"]
-    delta, dq_accum = outputs["delta"], outputs["dq_accum"]  # contiguous, as workspace() declares them
-    semaphore = outputs["dq_semaphore"] if problem.deterministic else None
-    scale_log2, softcap_exp2_scale, softcap = softmax_constants(problem)
-    params = np.empty(1, BWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, dout.ptr, lse.ptr, delta.ptr, dq_accum.ptr, dk.ptr, dv.ptr,
-                 *cu_seqlens_pointers(problem, inputs), 0 if semaphore is None else semaphore.ptr,
-                 *(s for x in (q, k, v, dout, dk, dv) for s in token_strides(problem, x)), *row_strides(problem, lse),
-                 *row_strides(problem, delta), problem.seqlen_q, problem.seqlen_k, problem.nheads,
-                 problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
-                 problem.softmax_scale, scale_log2, softcap_exp2_scale, softcap)
-    grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
-    if grid[0]:
-        with stream:
-            function(grid, (variant.threads,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
-    convert_dq(problem, outputs, stream)
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 def _as_one_sequence(problem):
@@ -261,5 +293,6 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     launch=launch,
+    prepare=prepare,
     workspace=workspace,
 )

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import tma
-from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool
-from .bwd_sm80 import accumulator_headdim, convert_dq, prepare, workspace
-from .forward import (ELEMENT_BYTES, check_headdim, cu_seqlens_pointers, kernel_window, row_strides, softmax_constants,
-                      token_strides)
-from .fwd_sm90 import SMEM_LIMIT, check_loadable, tensor_map
+from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, fwd_sm90
+from .bwd_sm80 import accumulator_headdim, backward_steps, workspace
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .fwd_sm90 import SMEM_LIMIT, check_loadable
 
 HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
 BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's kBlockM, kBlockN
@@ -44,7 +43,7 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do"
 # The kernel's BwdSm90Params, field for field (its size padded to the maps' 64-byte alignment).
 BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 960})
 assert BWD_SM90_PARAMS.fields["softcap"][1] == 936, "keep in step with BwdSm90Params"
-PARAMS_BYTES = np.dtype((np.void, BWD_SM90_PARAMS.itemsize))
+PARAMS = ParamStruct(BWD_SM90_PARAMS)
 
 
 def smem_bytes(headdim: int, stages: int, dq_buffers: int) -> int:
@@ -120,32 +119,63 @@ def _rows_extent(array) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(array.shape, array.strides)) if math.prod(array.shape) else 0
 
 
-def _rows_map(array) -> bytes:
-    """A rank-1 TMA map over `array`'s whole extent, boxes of one tile's rows (ROWS_BOX floats)."""
-    return tma.encode_tiled("float32", array.ptr, (_rows_extent(array),), (), (ROWS_BOX,), swizzle=tma.SWIZZLE_NONE)
+def _rows_layout(array) -> tuple:
+    """A rank-1 TMA map over `array`'s whole extent, boxes of one tile's rows (ROWS_BOX floats): what
+    tma.encode_tiled takes after the address."""
+    return (_rows_extent(array),), (), (ROWS_BOX,)
+
+
+def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
+    """Family.prepare: the steps around the kernel (bwd_sm80.backward_steps), its grid, its tensor maps'
+    layouts and its parameter struct without addresses, made once; each launch writes the addresses
+    in and looks the maps up by address."""
+    before, after = backward_steps(problem, inputs, outputs)
+    if after is None:
+        return before
+    accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
+    maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, inputs[name], heads, rows)) for name, heads, rows in
+            (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, BLOCK_N), ("v", problem.nheads_kv, BLOCK_N))]
+    maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
+    lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
+    fields = dict(dq_accum_stride_s=problem.nheads * accum_headdim, dq_accum_stride_h=accum_headdim,
+                  seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
+                  headdim=problem.headdim, scale=problem.softmax_scale)
+    for t in ("dk", "dv"):
+        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, outputs[t])))
+    for t, x in (("lse", inputs["lse"]), ("delta", outputs["delta"])):
+        fields.update(zip((f"{t}_stride_b", f"{t}_stride_h"), row_strides(problem, x)))
+    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
+    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
+    template = PARAMS.template(**fields)
+    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
+    dtype = problem.dtype
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        before(inputs, outputs, stream)
+        dq_accum, delta = outputs["dq_accum"], outputs["delta"]
+        # TMA and the bulk reductions take 16-byte aligned workspace (every framework's allocator aligns more)
+        assert dq_accum.ptr % 16 == 0 and delta.ptr % 16 == 0, "bwd_sm90's workspace is not 16-byte aligned"
+        params = bytearray(template)
+        for field, name, (dims, strides, box) in maps:
+            PARAMS.write(params, field, tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box))
+        PARAMS.write(params, "lse_map", tma.encode_tiled("float32", inputs["lse"].ptr, *lse_layout,
+                                                         swizzle=tma.SWIZZLE_NONE))
+        PARAMS.write(params, "delta_map", tma.encode_tiled("float32", delta.ptr, *delta_layout,
+                                                           swizzle=tma.SWIZZLE_NONE))
+        PARAMS.write(params, "dq_accum", dq_accum.ptr)
+        PARAMS.write(params, "dk", outputs["dk"].ptr)
+        PARAMS.write(params, "dv", outputs["dv"].ptr)
+        if problem.varlen:
+            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
+            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+        function(grid, (THREADS,), (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes, stream=stream)
+        after(outputs, stream)
+
+    return launch_prepared
 
 
 def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
-    if not prepare(problem, inputs, outputs, stream):
-        return
-    q, k, v, dout, lse = (inputs[n] for n in ("q", "k", "v", "dout", "lse"))
-    dk, dv, delta, dq_accum = (outputs[n] for n in ("dk", "dv", "delta", "dq_accum"))
-    accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
-    # TMA and the bulk reductions take 16-byte aligned workspace (every framework's allocator aligns more)
-    assert dq_accum.ptr % 16 == 0 and delta.ptr % 16 == 0, "bwd_sm90's workspace is not 16-byte aligned"
-    params = np.empty(1, BWD_SM90_PARAMS)
-    params[0] = (tensor_map(problem, q, problem.nheads, BLOCK_M), tensor_map(problem, k, problem.nheads_kv, BLOCK_N),
-                 tensor_map(problem, v, problem.nheads_kv, BLOCK_N), tensor_map(problem, dout, problem.nheads, BLOCK_M),
-                 _rows_map(lse), _rows_map(delta), dq_accum.ptr, dk.ptr, dv.ptr,
-                 *cu_seqlens_pointers(problem, inputs),
-                 *token_strides(problem, dk), *token_strides(problem, dv), *row_strides(problem, lse),
-                 *row_strides(problem, delta), problem.nheads * accum_headdim, accum_headdim, problem.seqlen_q,
-                 problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim, *kernel_window(problem),
-                 problem.softmax_scale, *softmax_constants(problem))
-    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
-    with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
-        function(grid, (THREADS,), (params.view(PARAMS_BYTES),), shared_mem=variant.dynamic_shared_bytes)
-    convert_dq(problem, outputs, stream)
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 FAMILY = Family(
@@ -159,6 +189,7 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     launch=launch,
+    prepare=prepare,
     workspace=workspace,
     max_headdim=HEADDIMS[-1],
     deterministic=False,

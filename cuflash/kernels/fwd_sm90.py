@@ -374,11 +374,6 @@ def map_layout(problem, array, nheads: int, rows: int) -> tuple:
     return (problem.headdim, nheads, array.shape[1], problem.batch), strides, (atom, 1, rows, 1)
 
 
-def tensor_map(problem, array, nheads: int, rows: int) -> bytes:
-    """The TMA descriptor of q, k, v (or dout) at `array`'s address (map_layout)."""
-    return tma.encode_tiled(problem.dtype, array.ptr, *map_layout(problem, array, nheads, rows))
-
-
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
