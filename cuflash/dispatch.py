@@ -65,7 +65,6 @@ def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> 
 # allocate and a prepared launch (Family.launcher), with only the arrays' addresses new.
 
 _calls: dict[tuple, Any] = {}  # call signature -> what `remembered` made for it
-_MAX_CALLS = 4096
 
 
 def _types(values: tuple) -> tuple:
@@ -93,15 +92,7 @@ def remembered(signature: tuple | None, make):
     """make(), which runs a call's argument checks and returns what they concluded, or, for a call
     signature (call_signature) seen before, what it returned then, without checking again. A
     check that raises leaves nothing behind: the next call checks again."""
-    if signature is None:
-        return make()
-    value = _calls.get(signature)
-    if value is None:
-        value = make()
-        if len(_calls) >= _MAX_CALLS:
-            _calls.clear()
-        _calls[signature] = value
-    return value
+    return make() if signature is None else _remember(_calls, signature, make)
 
 
 def run_checked(signature: tuple | None, inputs: dict[str, Any], check) -> tuple:
@@ -153,7 +144,7 @@ def execute(problem: Problem, inputs: dict[str, Any], outputs: dict[str, Any], s
 
 _plans: dict[tuple, tuple] = {}
 _launchers: dict[tuple, Any] = {}
-_MAX_PLANS = 4096
+_MAX_ENTRIES = 4096  # per cache
 
 
 def clear_plans() -> None:
@@ -164,10 +155,11 @@ def clear_plans() -> None:
 
 
 def _remember(cache: dict, key: tuple, make):
+    """cache[key], made by make() if missing; a cache that reaches _MAX_ENTRIES starts over."""
     value = cache.get(key)
     if value is None:
         value = make()
-        if len(cache) >= _MAX_PLANS:
+        if len(cache) >= _MAX_ENTRIES:
             cache.clear()
         cache[key] = value
     return value
