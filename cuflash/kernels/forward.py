@@ -29,17 +29,6 @@ def row_strides(problem, x) -> tuple[int, int]:
     return (0, x.strides[0]) if problem.varlen else tuple(x.strides[:2])
 
 
-def cu_seqlens_pointers(problem, inputs) -> tuple[int, int]:
-    """Device addresses of cu_seqlens_q and cu_seqlens_k; 0 (null) for dense problems."""
-    return (inputs["cu_seqlens_q"].ptr, inputs["cu_seqlens_k"].ptr) if problem.varlen else (0, 0)
-
-
-def output_strides(problem, inputs, out, lse):
-    """Strides of out (elements) and lse for the kernels' parameter structs, and the cu_seqlens
-    pointers."""
-    return (token_strides(problem, out), row_strides(problem, lse), *cu_seqlens_pointers(problem, inputs))
-
-
 def kernel_window(problem) -> tuple[int, int]:
     """(left, right) as the kernels take them: a bound that reaches past every key of every row
     (left >= seqlen_k, right >= seqlen_q; the maxima for varlen) is unbounded, -1. The same

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import jit
-from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, cxx_bool, require_rows_aligned
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, output_strides, softmax_constants, token_strides
+from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, require_rows_aligned
+from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
@@ -61,7 +61,7 @@ FWD_PARAMS = np.dtype(
     + [("reserved", np.int32)],
     align=True)
 assert FWD_PARAMS.itemsize == 208, "keep in step with static_assert(sizeof(FwdParams) == 208)"
-PARAMS_BYTES = np.dtype((np.void, FWD_PARAMS.itemsize))
+PARAMS = ParamStruct(FWD_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -142,21 +142,42 @@ def select(problem, inputs) -> FwdSm80Variant:
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, softcap, fused_pv)
 
 
-def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
+def _launch_nothing(inputs, outputs, stream) -> None:
+    """An empty problem: no row block to run."""
+
+
+def prepare(variant: FwdSm80Variant, function, problem, inputs, outputs):
+    """Family.prepare: the grid and the parameter struct without addresses, made once; each launch
+    writes the addresses in."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     if blocks_m * problem.nheads * problem.batch == 0:
-        return
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    out, lse = outputs["out"], outputs["lse"]
-    o_strides, lse_strides, cu_q, cu_k = output_strides(problem, inputs, out, lse)
-    params = np.empty(1, FWD_PARAMS)
-    params[0] = (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, cu_q, cu_k,
-                 *(s for x in (q, k, v) for s in token_strides(problem, x)), *o_strides, *lse_strides,
-                 problem.seqlen_q, problem.seqlen_k, problem.nheads // problem.nheads_kv, problem.headdim,
-                 *kernel_window(problem), *softmax_constants(problem), 0)
-    with stream:  # as raw bytes: CuPy inspects a structured dtype field by field on every launch
-        function((blocks_m, problem.nheads, problem.batch), (variant.threads,), (params.view(PARAMS_BYTES),),
-                 shared_mem=variant.dynamic_shared_bytes)
+        return _launch_nothing
+    fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
+                  headdim=problem.headdim)
+    for t, x in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", outputs["out"])):
+        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, x)))
+    fields.update(zip(("lse_stride_b", "lse_stride_h"), row_strides(problem, outputs["lse"])))
+    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
+    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
+    template = PARAMS.template(**fields)
+    grid, block = (blocks_m, problem.nheads, problem.batch), (variant.threads,)
+
+    def launch_prepared(inputs, outputs, stream) -> None:
+        params = bytearray(template)
+        for name in ("q", "k", "v"):
+            PARAMS.write(params, name, inputs[name].ptr)
+        PARAMS.write(params, "out", outputs["out"].ptr)
+        PARAMS.write(params, "lse", outputs["lse"].ptr)
+        if problem.varlen:
+            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
+            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+        function(grid, block, (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes, stream=stream)
+
+    return launch_prepared
+
+
+def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
+    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
 
 
 FAMILY = Family(
@@ -168,4 +189,5 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     launch=launch,
+    prepare=prepare,
 )
