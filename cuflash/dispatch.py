@@ -62,7 +62,7 @@ def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> 
 # `run_checked` a call signature: the signatures of their GPU arrays (arrays.signature: everything
 # the checks and the families' `select` look at) and their other arguments with their types. The
 # first call with a signature runs the checks; a later one runs what they concluded: the outputs to
-# allocate and a prepared launch (Family.launcher), with only the arrays' addresses new.
+# allocate and a prepared launch (Family.prepare), with only the arrays' addresses new.
 
 _calls: dict[tuple, Any] = {}  # call signature -> what `remembered` made for it
 
@@ -181,7 +181,7 @@ def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
 def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
              device_outputs: dict[str, arrays.DeviceArray]):
     """`plan`'s kernel, loaded (compiled on first use), as a function (inputs, outputs, stream) of
-    arrays laid out as these (Family.launcher): remembered per plan and outputs' strides."""
+    arrays laid out as these (Family.prepare): remembered per plan and outputs' strides."""
     def make():
         import cupy
 
@@ -189,7 +189,7 @@ def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
 
         family, variant = plan(problem, device_inputs)
         index = problem.device.index
-        launch = family.launcher(variant, jit.get_function(variant, index), problem, device_inputs, device_outputs)
+        launch = family.prepare(variant, jit.get_function(variant, index), problem, device_inputs, device_outputs)
 
         def on_device(inputs, outputs, stream) -> None:
             with cupy.cuda.Device(index):

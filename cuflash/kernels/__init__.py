@@ -9,7 +9,6 @@ and `build` enumerate this registry, so a new variant is covered the day it is a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -166,7 +165,11 @@ class Family:
     # (problem, device inputs) -> variant; ValueError if it can't serve it. It may look at the inputs'
     # alignment and strides but not at their contents: dispatch remembers the choice on that basis.
     select: Callable[[Any, Any], Variant]
-    launch: Callable[..., None]  # (variant, function, problem, inputs, outputs, stream)
+    # (variant, function, problem, inputs, outputs) -> launch(inputs, outputs, stream): the launch
+    # with what does not depend on the arrays' addresses worked out once, for arrays laid out as
+    # these (shapes, strides, addresses mod 16; their addresses are not used). dispatch remembers it
+    # per layout, so a repeated call only writes addresses and launches (ParamStruct).
+    prepare: Callable[..., Callable[..., None]]
     dtypes: frozenset = frozenset(CXX_TYPES)
     # Arch-specific code (sm_90a) runs on one compute capability only.
     max_compute_capability: tuple[int, int] | None = None
@@ -179,19 +182,6 @@ class Family:
     # this family stays within them.
     max_headdim: int = 256
     deterministic: bool = True
-    # (variant, function, problem, inputs, outputs) -> launch(inputs, outputs, stream): `launch` with
-    # what does not depend on the arrays' addresses worked out once, for arrays laid out as these
-    # (shapes, strides, addresses mod 16; their addresses are not used). Families whose launch
-    # costs more host time than the rest of a call offer it; see `launcher`.
-    prepare: Callable[..., Callable[..., None]] | None = None
-
-    def launcher(self, variant, function, problem, inputs, outputs) -> Callable[..., None]:
-        """launch(inputs, outputs, stream) of `variant` for arrays laid out as these: `prepare`'s, or
-        `launch` itself with the arguments that do not change bound."""
-        if self.prepare is not None:
-            return self.prepare(variant, function, problem, inputs, outputs)
-        return functools.partial(self.launch, variant, function, problem)
-
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
         return cc >= self.min_compute_capability and (self.max_compute_capability is None

@@ -80,10 +80,6 @@ def prepare(variant: BwdPreprocessVariant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: BwdPreprocessVariant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 FAMILY = Family(
     name="bwd_preprocess",
     backend="sm80",
@@ -92,6 +88,5 @@ FAMILY = Family(
     variants_for=lambda compute_capability: VARIANTS,
     min_compute_capability=(8, 0),
     select=select,
-    launch=launch,
     prepare=prepare,
 )

@@ -273,10 +273,6 @@ def prepare(variant: BwdSm80Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: BwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 def _as_one_sequence(problem):
     """A varlen problem's rows as one dense sequence (for the row-wise preprocess)."""
     return dataclasses.replace(problem, op="backward_preprocess", batch=1, seqlen_q=problem.total_q,
@@ -292,7 +288,6 @@ FAMILY = Family(
     min_compute_capability=(8, 0),
     variants_for=variants_for,
     select=select,
-    launch=launch,
     prepare=prepare,
     workspace=workspace,
 )

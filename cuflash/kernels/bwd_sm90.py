@@ -174,10 +174,6 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: BwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 FAMILY = Family(
     name="bwd_sm90",
     backend="sm90",
@@ -188,7 +184,6 @@ FAMILY = Family(
     max_compute_capability=(9, 0),
     variants_for=variants_for,
     select=select,
-    launch=launch,
     prepare=prepare,
     workspace=workspace,
     max_headdim=HEADDIMS[-1],

@@ -176,10 +176,6 @@ def prepare(variant: FwdSm80Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: FwdSm80Variant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 FAMILY = Family(
     name="fwd_sm80",
     backend="sm80",
@@ -188,6 +184,5 @@ FAMILY = Family(
     min_compute_capability=(8, 0),
     variants_for=variants_for,
     select=select,
-    launch=launch,
     prepare=prepare,
 )

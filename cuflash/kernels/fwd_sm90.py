@@ -470,10 +470,6 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: FwdSm90Variant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 FAMILY = Family(
     name="fwd_sm90",
     backend="sm90",
@@ -483,7 +479,6 @@ FAMILY = Family(
     max_compute_capability=(9, 0),
     variants_for=variants_for,
     select=select,
-    launch=launch,
     prepare=prepare,
 )
 
@@ -496,7 +491,6 @@ FP8_FAMILY = Family(
     max_compute_capability=(9, 0),
     variants_for=fp8_variants_for,
     select=select_fp8,
-    launch=launch,
     prepare=prepare,
     dtypes=frozenset({FP8}),
     workspace=fp8_workspace,

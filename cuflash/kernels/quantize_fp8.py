@@ -104,10 +104,6 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def launch(variant: QuantizeFp8Variant, function, problem, inputs, outputs, stream) -> None:
-    prepare(variant, function, problem, inputs, outputs)(inputs, outputs, stream)
-
-
 FAMILY = Family(
     name="quantize_fp8",
     backend="sm89",
@@ -116,6 +112,5 @@ FAMILY = Family(
     min_compute_capability=(8, 9),
     variants_for=lambda compute_capability: VARIANTS,
     select=select,
-    launch=launch,
     prepare=prepare,
 )
