@@ -233,7 +233,7 @@ TRANSPOSE_V_PARAMS = np.dtype([("v", np.uint64), ("vt", np.uint64)]
                               + [(f"v_stride_{d}", np.int64) for d in ("b", "s", "h")]
                               + [(name, np.int32) for name in ("seqlen", "seqlen_pad", "nheads", "headdim")])
 assert TRANSPOSE_V_PARAMS.itemsize == 56, "keep in step with static_assert(sizeof(TransposeVFp8Params) == 56)"
-TRANSPOSE_V_PARAMS_BYTES = np.dtype((np.void, TRANSPOSE_V_PARAMS.itemsize))
+TRANSPOSE_V_STRUCT = ParamStruct(TRANSPOSE_V_PARAMS)
 TRANSPOSE_V_THREADS = 256
 V_TRANSPOSED_KEY_ALIGN = 16  # V^T's rows of keys are padded to this (TMA's 16-byte strides; a key group)
 
@@ -390,31 +390,32 @@ def _descale_strides(inputs) -> tuple:
 _counter_slots = itertools.cycle(range(TILE_COUNTERS))
 
 
-def _transpose_v(problem, v, vt, stream) -> None:
-    """v (batch, seqlen_k, nheads_kv, headdim) into the V^T workspace `vt` (_v_transposed_shape,
-    contiguous) on `stream`. The kernel moves 4-byte columns: select's check_loadable has made v's
+def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
+    """For the pre-transposed FP8 forward, launch(v, vt, stream) of the pass that writes v (batch,
+    seqlen_k, nheads_kv, headdim) into the V^T workspace vt (_v_transposed_shape, contiguous), and
+    the layout of V^T's TMA descriptor (boxes of 128 keys, one swizzle row, by the compiled head
+    dim's rows, of one kv head). The pass moves 4-byte columns: select's check_loadable has made v's
     rows (the head dim, in bytes) multiples of 16."""
     assert problem.headdim % 4 == 0 and v.ptr % 4 == 0, "v's rows are 16-byte aligned (check_loadable)"
-    seqlen_pad = vt.shape[3]
-    pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (problem.headdim // 4)  # 2 key groups x 4 bytes
-    params = np.empty(1, TRANSPOSE_V_PARAMS)
-    params[0] = (v.ptr, vt.ptr, v.strides[0], v.strides[1], v.strides[2], problem.seqlen_k, seqlen_pad,
-                 problem.nheads_kv, problem.headdim)
-    variant = TransposeVFp8Variant()
-    with stream:
-        jit.get_function(variant, problem.device.index)(
-            (math.ceil(2 * pairs / variant.threads), problem.nheads_kv, problem.batch), (variant.threads,),
-            (params.view(TRANSPOSE_V_PARAMS_BYTES),))
-
-
-def _v_transposed_map(vt) -> bytes:
-    """The TMA descriptor of the V^T workspace: boxes of 128 keys (one swizzle row) by the compiled
-    head dim's rows, of one kv head."""
     batch, nheads_kv, headdim, seqlen_pad = vt.shape
-    compiled = compiled_headdim(headdim, FP8_HEADDIMS)
-    return tma.encode_tiled(FP8, vt.ptr, (seqlen_pad, headdim, nheads_kv, batch),
-                            (seqlen_pad, headdim * seqlen_pad, nheads_kv * headdim * seqlen_pad),
-                            (SWIZZLE_ROW_BYTES, compiled, 1, 1))
+    map_layout_vt = ((seqlen_pad, headdim, nheads_kv, batch), (seqlen_pad, headdim * seqlen_pad,
+                                                              nheads_kv * headdim * seqlen_pad),
+                     (SWIZZLE_ROW_BYTES, variant.headdim, 1, 1))
+    pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (headdim // 4)  # 2 key groups x 4 bytes
+    template = TRANSPOSE_V_STRUCT.template(v_stride_b=v.strides[0], v_stride_s=v.strides[1], v_stride_h=v.strides[2],
+                                           seqlen=problem.seqlen_k, seqlen_pad=seqlen_pad, nheads=nheads_kv,
+                                           headdim=headdim)
+    transpose = TransposeVFp8Variant()
+    function = jit.get_function(transpose, problem.device.index)
+    grid = (math.ceil(2 * pairs / transpose.threads), nheads_kv, batch)
+
+    def launch(v, vt, stream) -> None:
+        params = bytearray(template)
+        TRANSPOSE_V_STRUCT.write(params, "v", v.ptr)
+        TRANSPOSE_V_STRUCT.write(params, "vt", vt.ptr)
+        function(grid, (transpose.threads,), (TRANSPOSE_V_STRUCT.argument(params),), stream=stream)
+
+    return launch, map_layout_vt
 
 
 def _launch_nothing(inputs, outputs, stream) -> None:
@@ -431,8 +432,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
         return _launch_nothing
     extents = {"q": (problem.nheads, variant.block_m), "k": (problem.nheads_kv, variant.block_n),
                "v": (problem.nheads_kv, variant.block_n)}
-    if variant.v_pretransposed:  # V^T's map is of the workspace, made at each launch
+    if variant.v_pretransposed:  # V^T's map is of the workspace, written at each launch
         del extents["v"]
+        transpose_v, vt_layout = _prepare_v_transposed(variant, problem, inputs["v"], outputs["v_transposed"])
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     group = problem.nheads // problem.nheads_kv
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
@@ -455,8 +457,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
             PARAMS.write(params, field, tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box))
         if variant.v_pretransposed:
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
-            _transpose_v(problem, inputs["v"], vt, stream)
-            PARAMS.write(params, "v_map", _v_transposed_map(vt))
+            transpose_v(inputs["v"], vt, stream)
+            PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
         PARAMS.write(params, "out", outputs["out"].ptr)
         PARAMS.write(params, "lse", outputs["lse"].ptr)
         if problem.varlen:
