@@ -96,6 +96,11 @@ class ParamStruct:
         else:
             packing.pack_into(params, offset, *values)
 
+    def write_addresses(self, params: bytearray, arrays: dict, names) -> None:
+        """Each of `names` set to the address of arrays[name] (a DeviceArray)."""
+        for name in names:
+            self.write(params, name, arrays[name].ptr)
+
     def argument(self, params: bytearray) -> np.ndarray:
         """`params` as the kernel argument CuPy passes by value."""
         return np.frombuffer(params, self._void)
@@ -182,6 +187,7 @@ class Family:
     # this family stays within them.
     max_headdim: int = 256
     deterministic: bool = True
+
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
         return cc >= self.min_compute_capability and (self.max_compute_capability is None

@@ -14,7 +14,8 @@ from .. import jit
 from ..arrays import DeviceArray
 from . import (CXX_TYPES, Family, ParamStruct, Variant, bwd_preprocess, check_grid_yz, compiled_headdim, cxx_bool,
                require_rows_aligned)
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
+                      token_stride_fields, token_strides)
 from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
 
 # Compiled head dims: another multiple of 8 runs on the next one up (its extra columns zero-filled
@@ -239,33 +240,22 @@ def prepare(variant: BwdSm80Variant, function, problem, inputs, outputs):
     before, after = backward_steps(problem, inputs, outputs)
     if after is None:
         return before
-    fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, nheads=problem.nheads,
-                  group=problem.nheads // problem.nheads_kv, headdim=problem.headdim, scale=problem.softmax_scale)
-    for t, x in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("do", inputs["dout"]),
-                 ("dk", outputs["dk"]), ("dv", outputs["dv"])):
-        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, x)))
-    for t in ("lse", "delta"):
-        fields.update(zip((f"{t}_stride_b", f"{t}_stride_h"),
-                          row_strides(problem, inputs[t] if t == "lse" else outputs[t])))
-    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
-    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
-    template = PARAMS.template(**fields)
+    template = PARAMS.template(
+        seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, nheads=problem.nheads,
+        group=problem.nheads // problem.nheads_kv, headdim=problem.headdim, scale=problem.softmax_scale,
+        **mask_and_softmax_fields(problem), **row_stride_fields(problem, lse=inputs["lse"], delta=outputs["delta"]),
+        **token_stride_fields(problem, q=inputs["q"], k=inputs["k"], v=inputs["v"], do=inputs["dout"],
+                              dk=outputs["dk"], dv=outputs["dv"]))
     grid = (math.ceil(problem.seqlen_k / variant.block_n), problem.nheads_kv, problem.batch)
-    ins, outs = ("q", "k", "v", "dout", "lse"), ("delta", "dq_accum", "dk", "dv")
+    ins = ("q", "k", "v", "dout", "lse", *(CU_SEQLENS if problem.varlen else ()))
+    outs = ("delta", "dq_accum", "dk", "dv", *(("dq_semaphore",) if problem.deterministic else ()))
 
     def launch_prepared(inputs, outputs, stream) -> None:
         before(inputs, outputs, stream)
         if grid[0]:
             params = bytearray(template)
-            for name in ins:
-                PARAMS.write(params, name, inputs[name].ptr)
-            for name in outs:  # contiguous, as workspace() declares them
-                PARAMS.write(params, name, outputs[name].ptr)
-            if problem.varlen:
-                PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
-                PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
-            if problem.deterministic:
-                PARAMS.write(params, "dq_semaphore", outputs["dq_semaphore"].ptr)
+            PARAMS.write_addresses(params, inputs, ins)
+            PARAMS.write_addresses(params, outputs, outs)  # contiguous, as workspace() declares them
             function(grid, (variant.threads,), (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes,
                      stream=stream)
         after(outputs, stream)

@@ -15,7 +15,8 @@ import numpy as np
 from .. import tma
 from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, fwd_sm90
 from .bwd_sm80 import accumulator_headdim, backward_steps, workspace
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
+                      token_stride_fields)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable
 
 HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
@@ -137,16 +138,12 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
             (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, BLOCK_N), ("v", problem.nheads_kv, BLOCK_N))]
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
-    fields = dict(dq_accum_stride_s=problem.nheads * accum_headdim, dq_accum_stride_h=accum_headdim,
-                  seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
-                  headdim=problem.headdim, scale=problem.softmax_scale)
-    for t in ("dk", "dv"):
-        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, outputs[t])))
-    for t, x in (("lse", inputs["lse"]), ("delta", outputs["delta"])):
-        fields.update(zip((f"{t}_stride_b", f"{t}_stride_h"), row_strides(problem, x)))
-    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
-    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
-    template = PARAMS.template(**fields)
+    template = PARAMS.template(
+        dq_accum_stride_s=problem.nheads * accum_headdim, dq_accum_stride_h=accum_headdim,
+        seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
+        headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
+        **token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]),
+        **row_stride_fields(problem, lse=inputs["lse"], delta=outputs["delta"]))
     grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
     dtype = problem.dtype
 
@@ -162,12 +159,9 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
                                                          swizzle=tma.SWIZZLE_NONE))
         PARAMS.write(params, "delta_map", tma.encode_tiled("float32", delta.ptr, *delta_layout,
                                                            swizzle=tma.SWIZZLE_NONE))
-        PARAMS.write(params, "dq_accum", dq_accum.ptr)
-        PARAMS.write(params, "dk", outputs["dk"].ptr)
-        PARAMS.write(params, "dv", outputs["dv"].ptr)
+        PARAMS.write_addresses(params, outputs, ("dq_accum", "dk", "dv"))
         if problem.varlen:
-            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
-            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+            PARAMS.write_addresses(params, inputs, CU_SEQLENS)
         function(grid, (THREADS,), (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes, stream=stream)
         after(outputs, stream)
 

@@ -1,5 +1,6 @@
-"""What the forward families (fwd_sm80, fwd_sm90) check and hand their kernels the same way: element
-size and head-dim granularity, output strides, the window bounds and the softmax constants."""
+"""What the attention families (fwd_sm80, fwd_sm90 and the backwards) check and hand their kernels the
+same way: element size and head-dim granularity, strides, the window bounds and the softmax constants,
+and the names their parameter structs give them."""
 from __future__ import annotations
 
 import math
@@ -27,6 +28,25 @@ def row_strides(problem, x) -> tuple[int, int]:
     """(batch, head) strides of a per-query-row float32 array (lse, delta): (batch, heads, seqlen),
     or (heads, total) for varlen."""
     return (0, x.strides[0]) if problem.varlen else tuple(x.strides[:2])
+
+
+CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")  # varlen inputs whose addresses the parameter structs take
+
+
+def token_stride_fields(problem, **arrays) -> dict:
+    """token_strides of each named array as the parameter structs name them: {name}_stride_b, _s, _h."""
+    return {f"{name}_stride_{d}": s for name, x in arrays.items() for d, s in zip("bsh", token_strides(problem, x))}
+
+
+def row_stride_fields(problem, **arrays) -> dict:
+    """row_strides of each named array as the parameter structs name them: {name}_stride_b, _h."""
+    return {f"{name}_stride_{d}": s for name, x in arrays.items() for d, s in zip("bh", row_strides(problem, x))}
+
+
+def mask_and_softmax_fields(problem) -> dict:
+    """kernel_window and softmax_constants as the parameter structs name them."""
+    return dict(zip(("window_left", "window_right", "scale_log2", "softcap_exp2_scale", "softcap"),
+                    (*kernel_window(problem), *softmax_constants(problem))))
 
 
 def kernel_window(problem) -> tuple[int, int]:

@@ -9,7 +9,8 @@ import numpy as np
 
 from .. import jit
 from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, require_rows_aligned
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
+                      token_stride_fields)
 
 # Head dims are compiled in multiples of 32; a head dim that is a multiple of 8 in between runs on
 # the next one up, its extra columns zero-filled on load and never stored.
@@ -152,25 +153,16 @@ def prepare(variant: FwdSm80Variant, function, problem, inputs, outputs):
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     if blocks_m * problem.nheads * problem.batch == 0:
         return _launch_nothing
-    fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
-                  headdim=problem.headdim)
-    for t, x in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", outputs["out"])):
-        fields.update(zip((f"{t}_stride_b", f"{t}_stride_s", f"{t}_stride_h"), token_strides(problem, x)))
-    fields.update(zip(("lse_stride_b", "lse_stride_h"), row_strides(problem, outputs["lse"])))
-    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
-    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
-    template = PARAMS.template(**fields)
+    template = PARAMS.template(
+        seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
+        headdim=problem.headdim, **mask_and_softmax_fields(problem), **row_stride_fields(problem, lse=outputs["lse"]),
+        **token_stride_fields(problem, q=inputs["q"], k=inputs["k"], v=inputs["v"], o=outputs["out"]))
     grid, block = (blocks_m, problem.nheads, problem.batch), (variant.threads,)
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
-        for name in ("q", "k", "v"):
-            PARAMS.write(params, name, inputs[name].ptr)
-        PARAMS.write(params, "out", outputs["out"].ptr)
-        PARAMS.write(params, "lse", outputs["lse"].ptr)
-        if problem.varlen:
-            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
-            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+        PARAMS.write_addresses(params, inputs, ("q", "k", "v", *(CU_SEQLENS if problem.varlen else ())))
+        PARAMS.write_addresses(params, outputs, ("out", "lse"))
         function(grid, block, (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes, stream=stream)
 
     return launch_prepared

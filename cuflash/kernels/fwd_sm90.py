@@ -15,7 +15,8 @@ import numpy as np
 from .. import jit, tma
 from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim,
                cxx_bool, fast_divisor, require_rows_aligned)
-from .forward import ELEMENT_BYTES, check_headdim, kernel_window, row_strides, softmax_constants, token_strides
+from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
+                      token_stride_fields)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle row: head dims are compiled in multiples of it
@@ -438,12 +439,10 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     group = problem.nheads // problem.nheads_kv
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
-                  nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles)
-    fields.update(zip(("o_stride_b", "o_stride_s", "o_stride_h"), token_strides(problem, outputs["out"])))
-    fields.update(zip(("lse_stride_b", "lse_stride_h"), row_strides(problem, outputs["lse"])))
+                  nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles,
+                  **token_stride_fields(problem, o=outputs["out"]), **row_stride_fields(problem, lse=outputs["lse"]),
+                  **mask_and_softmax_fields(problem))
     fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
-    fields.update(zip(("window_left", "window_right"), kernel_window(problem)))
-    fields.update(zip(("scale_log2", "softcap_exp2_scale", "softcap"), softmax_constants(problem)))
     for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group)):
         fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
     template = PARAMS.template(**fields)
@@ -459,11 +458,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
             transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
-        PARAMS.write(params, "out", outputs["out"].ptr)
-        PARAMS.write(params, "lse", outputs["lse"].ptr)
+        PARAMS.write_addresses(params, outputs, ("out", "lse"))
         if problem.varlen:
-            PARAMS.write(params, "cu_seqlens_q", inputs["cu_seqlens_q"].ptr)
-            PARAMS.write(params, "cu_seqlens_k", inputs["cu_seqlens_k"].ptr)
+            PARAMS.write_addresses(params, inputs, CU_SEQLENS)
         if fp8:
             PARAMS.write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
         PARAMS.write(params, "counter_slot", next(_counter_slots))

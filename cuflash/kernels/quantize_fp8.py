@@ -96,9 +96,8 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
-        PARAMS.write(params, "x", inputs["x"].ptr)
-        PARAMS.write(params, "x8", outputs["x8"].ptr)
-        PARAMS.write(params, "descale", outputs["descale"].ptr)
+        PARAMS.write_addresses(params, inputs, ("x",))
+        PARAMS.write_addresses(params, outputs, ("x8", "descale"))
         function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
 
     return launch_prepared
