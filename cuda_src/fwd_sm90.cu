@@ -5,9 +5,14 @@
 // numbered m-block fastest (a head's row blocks run side by side and share K and V in L2), latest
 // row block first (for causal, the longest tiles go first). CTA c starts with tile c and then takes
 // the next untaken tile from a global counter, so tiles of unequal length (causal) balance out as
-// they would under the hardware's own block scheduler. The producer draws the indices and hands
-// each to the consumers at a named barrier all of them sync on, once it has issued the tile's Q and
-// first kStages K/V loads: those overlap the end of the previous tile. 1 + kConsumers warpgroups:
+// they would under the hardware's own block scheduler. The producer draws the indices and publishes
+// each with the tile's Q: written into the Q buffer's index slot before its arrival on Q's full
+// barrier (an mbarrier arrival releases, a completed wait acquires). A consumer warpgroup thus
+// starts a tile as soon as its Q is there, while the other consumers may still be finishing the
+// tile before (with ping-pong the turns run on across tiles; without, the consumers start each
+// tile together, kTileBarrier), and nothing makes the producer wait for the consumers but its
+// ring's and Q's empty barriers.
+// 1 + kConsumers warpgroups:
 //   warpgroup 0   producer: gives registers away (setmaxnreg), and one thread issues TMA loads
 //                 of each tile's Q and of K and V tiles into a kStages-deep ring, each completing
 //                 on a "full" mbarrier; it refills a slot (or Q) when the consumers arrive on its
@@ -104,8 +109,8 @@ constexpr int kTransposeWarps = 3;
 // section 8).
 
 constexpr int kSchedulerBarrier = 1;  // named barriers 1..3: the ping-pong turn of each consumer
-constexpr int kEpilogueBarrier = 4;   // named barriers 4..6: one consumer's O staging
-constexpr int kTileBarrier = 7;       // the producer hands the next tile index to the consumers
+constexpr int kWarpgroupBarrier = 4;  // named barriers 4..6: one consumer's own (O staging, tile start)
+constexpr int kTileBarrier = 7;       // without ping-pong, the consumers start each tile together
 
 // The dynamic tile scheduler's counters: {tiles handed out beyond the first gridDim.x, CTAs done}.
 // Zero when the module loads; the last CTA of a launch to finish resets its pair to zero, so launches
@@ -155,8 +160,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr bool kTranspose = kFp8 && !kVPreTransposed;
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
   constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
-  // The tile hand-off: the consumers, the producer's warp 0 and (e4m3) its transposing warps.
-  constexpr int kTileBarrierThreads = 128 * kConsumers + 32 + (kTranspose ? 32 * kTransposeWarps : 0);
+  // Consumers that do not take turns start each tile together: left to drift apart over the K/V
+  // ring, three consumers measured 3-10% slower (benchmarks/NOTES-sm90.md, version 31).
+  constexpr bool kTileSync = !kPingPong;
   using Split = RegisterSplit<kConsumers>;
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
                 "the registers the launch gives the CTA");
@@ -216,9 +222,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // release empty).
   auto staging_full = [&](int s) { return bars + 8u * (kQBars + 4 * kStages + s); };
   auto staging_empty = [&](int s) { return bars + 8u * (kQBars + 5 * kStages + s); };
-  // Tile indices handed to the consumers, alternately in two slots: a slot is written after the
-  // hand-off of the tile before, and read right after its own hand-off (kTileBarrier both times).
+  // Tile indices, one slot per Q buffer: written before the arrival on the buffer's q_full once
+  // q_empty says the tile before in that buffer has read its own, read after q_full.
   const unsigned tile_slots = bars + 8u * (kQBars + (kTranspose ? 6 : 4) * kStages);
+  // A tile's index from Q buffer b's slot (after q_full): lane 0 reads it, the lane that arrives on
+  // q_empty for the warp (racecheck then sees the read ordered before the slot's rewrite; with every
+  // lane reading, it reported the rewrite as a race), and broadcasts it, which also tells the
+  // compiler the index is warp-uniform.
+  auto tile_index = [&](unsigned b) {
+    unsigned index = 0;
+    if (thread_index_again() % 32 == 0) index = ld_shared_b32(tile_slots + 4 * b);
+    return __shfl_sync(0xffffffffu, static_cast<int>(index), 0);
+  };
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
@@ -230,7 +245,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
     for (unsigned b = 0; b < kQBuffers; ++b) {
       mbarrier_init(q_full(b), 1);
-      mbarrier_init(q_empty(b), kConsumerWarps);
+      mbarrier_init(q_empty(b), kConsumerWarps + (kTranspose ? kTransposeWarps : 0));  // all that read its index
     }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -247,18 +262,20 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   }
   __syncthreads();
 
-  // Every tile, the producer publishes its index (index >= num_tiles tells the consumers to stop)
-  // and arrives on q_full (with Q's bytes, or without when the tile has no key block to load); the
-  // consumers arrive on q_empty once they are done with Q. `it` counts K/V blocks over all of this
-  // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_count` counts tiles.
+  // Every tile, the producer writes its index in the next Q buffer's slot (index >= num_tiles
+  // tells the consumers to stop) and arrives on q_full (with Q's bytes to wait for, or none when
+  // the tile has no key block to load); the consumers arrive on q_empty once they are done with Q,
+  // the transposing warps once they have read the index. `it` counts K/V blocks over all of this
+  // CTA's tiles (slot it % kStages, phase (it / kStages) & 1); `q_count` counts tiles (Q buffer
+  // q_count % kQBuffers, phase (q_count / kQBuffers) & 1).
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Split::kProducer>();
-    // Warp 0: lane 0 issues every load and barrier operation, and the whole warp takes part in the
-    // tile hand-off. e4m3 (kTranspose): warps 1..3 transpose V; otherwise the other producer warps leave.
+    // Warp 0: lane 0 issues every load and barrier operation (the warp draws the tile indices). e4m3
+    // (kTranspose): warps 1..3 transpose V; otherwise the other producer warps leave.
     if (tid >= 32) {
       if constexpr (kTranspose) {
-        // Per tile (taken at the hand-off like the consumers), every block the producer loads: wait
+        // Per tile (its index read from Q's slot like the consumers), every block the producer loads: wait
         // for its staged V and for the consumers to free its V slot, write V^T there, make those
         // ordinary stores visible to wgmma (async proxy), release both slots. A piece is 16 keys
         // (16g..16g+15) x 32 bytes of head dim (d0..d0+31); each warp takes every third unit of
@@ -269,26 +286,29 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // key position 16g + 4q. The stmatrix rows alternate which of the two columns a lane gives
         // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
         // different swizzle phases, so neither instruction has bank conflicts.
-        // The producer's 24 registers (or 32): one word holds the loop state. Bit 0: the tile parity;
-        // bits 1-7: the block count `it` modulo 2 kStages (all the slot and its phase need); bits 16
-        // and up: the blocks left in this tile (at most 65,535: fwd_sm90.py refuses longer key
-        // sequences for e4m3). Nothing lane-derived is kept live across the warp-role split (ptxas
-        // would spill it here): lane values come from %tid.x read again.
+        // The producer's 24 registers (or 32): one word holds the loop state. Bits 0-1: the tile
+        // count modulo 4 (Q buffer and phase, as q_count); bits 2-7: the block count `it` modulo 2
+        // kStages (all the slot and its phase need); bits 16 and up: the blocks left in this tile (at
+        // most 65,535: fwd_sm90.py refuses longer key sequences for e4m3). Nothing lane-derived is
+        // kept live across the warp-role split (ptxas would spill it here): lane values come from
+        // %tid.x read again.
         constexpr unsigned kBlockOne = 1u << 16;
         unsigned progress = 0;
         for (;;) {
-          named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
-          const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);
+          const unsigned q_buffer = progress % kQBuffers;
+          mbarrier_wait(q_full(q_buffer), (progress / kQBuffers) & 1);
+          const int index = tile_index(q_buffer);
+          mbarrier_arrive_warp(q_empty(q_buffer));
           if (index >= p.num_tiles) break;
-          progress ^= 1;
+          progress = (progress & ~3u) | ((progress + 1) & 3u);
           const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
           progress += static_cast<unsigned>(max(t.kb.n_max - t.kb.n_min, 0)) * kBlockOne;
 #pragma unroll 1
           for (; progress >= kBlockOne; progress -= kBlockOne) {  // the blocks, as the producer loads them
-            const unsigned it = (progress >> 1) & 0x7fu;
+            const unsigned it = (progress >> 2) & 0x3fu;
             const int slot = it % kStages;
             const unsigned parity = it / kStages;
-            progress = (progress & ~0xfeu) | (((it + 1) % (2 * kStages)) << 1);
+            progress = (progress & ~0xfcu) | (((it + 1) % (2 * kStages)) << 2);
             mbarrier_wait(staging_full(slot), parity);
             mbarrier_wait(v_empty(slot), parity ^ 1);
             // A unit is 4 pieces, one 32-byte column chunk (d0) and 4 key groups, unrolled so that
@@ -336,14 +356,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     const bool leader = lane == 0;
     int slot = 0;            // it % kStages, kept incrementally: the producer has few registers
     unsigned parity = 0;     // (it / kStages) & 1
-    // Tiles so far: bit 0 is the tile's parity (its index slot, and its Q buffer when there are two);
-    // the buffer's phase is bit 1 with two buffers, bit 0 with one.
-    unsigned q_count = 0;
-    // Tile k's index goes to slot k % 2; the sync waits for the consumers to finish tile k - 1.
-    auto hand_off = [&](int index, unsigned k_parity) {
-      if (leader) st_shared_b32(tile_slots + 4 * k_parity, static_cast<unsigned>(index));
-      __syncwarp();
-      named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
+    unsigned q_count = 0;  // tiles so far, modulo 4
+    // The next Q buffer, once the tile before in it is done with it; and the tile's index published
+    // in its slot with the arrival on q_full (whose phase then waits for `q_bytes` of Q; only the leader).
+    auto next_q_buffer = [&]() {
+      const unsigned q_buffer = q_count % kQBuffers;
+      if (leader) mbarrier_wait(q_empty(q_buffer), ((q_count / kQBuffers) & 1) ^ 1);
+      q_count = (q_count + 1) & 3u;
+      return q_buffer;
+    };
+    auto publish = [&](int index, unsigned q_buffer, unsigned q_bytes) {
+      st_shared_b32(tile_slots + 4 * q_buffer, static_cast<unsigned>(index));
+      mbarrier_arrive_expect_tx(q_full(q_buffer), q_bytes);  // release: the index is seen by q_full's waiters
     };
     auto next_tile = [&]() {
       int next = 0;
@@ -351,18 +375,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       return __shfl_sync(0xffffffffu, next, 0);
     };
     for (int index = blockIdx.x;;) {
+      const unsigned q_buffer = next_q_buffer();
       if (index >= p.num_tiles) {
-        hand_off(index, q_count & 1);
+        if (leader) publish(index, q_buffer, 0);
         break;
       }
       const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
-      const unsigned q_buffer = kQBuffers == 2 ? q_count & 1 : 0;
-      const unsigned tile_parity = q_count & 1;
-      if (leader) mbarrier_wait(q_empty(q_buffer), ((kQBuffers == 2 ? q_count >> 1 : q_count) & 1) ^ 1);
-      q_count = kQBuffers == 2 ? (q_count + 1) & 3 : q_count ^ 1;
       if (t.kb.n_max <= t.kb.n_min) {
-        if (leader) mbarrier_arrive(q_full(q_buffer));
-        hand_off(index, tile_parity);
+        if (leader) publish(index, q_buffer, 0);
         index = next_tile();
         continue;
       }
@@ -399,17 +419,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
       };
       if (leader) {
-        mbarrier_arrive_expect_tx(q_full(q_buffer), kQBytes);
+        publish(index, q_buffer, kQBytes);
         load(sQ + q_buffer * kQBytes, &p.q_map, q_full(q_buffer), t.h, t.q_row0 + t.m0, kBlockM);
       }
-      // K/V blocks from last to first. The first kStages only wait for slots the previous tile
-      // frees, so they are issued before the hand-off; the rest wait for this tile's consumers.
-      int n = t.kb.n_max - 1;
-#pragma unroll 1  // unrolled, these loops no longer fit the producer's 24 registers
-      for (int issued = 0; n >= t.kb.n_min && issued < kStages; --n, ++issued) load_kv(n);
-      hand_off(index, tile_parity);
-#pragma unroll 1
-      for (; n >= t.kb.n_min; --n) load_kv(n);
+      // K/V blocks from last to first.
+#pragma unroll 1  // unrolled, this loop no longer fits the producer's 24 registers
+      for (int n = t.kb.n_max - 1; n >= t.kb.n_min; --n) load_kv(n);
       index = next_tile();
     }
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
@@ -440,41 +455,48 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned long long desc_v = smem_descriptor_sw128(sV, kFp8 ? 16 : kBlockN * 128, 1024);
   // Ping-pong: warpgroup wg issues its GEMMs after syncing on its own turn barrier (with the
   // arrival of warpgroup wg - 1) and then hands the turn to wg + 1. Every consumer has the same
-  // number of turns in a tile (blocks + 1); warpgroup 0 goes first, and the last warpgroup skips
-  // its last hand-over so that no arrival is left pending when the tile ends.
+  // number of turns in a tile (blocks + 1), and the round runs on across tiles: warpgroup 0 takes
+  // the first turn of the kernel, and the first turn of each tile once the last warpgroup has taken
+  // its last turn of the tile before, so that one's epilogue overlaps the other's GEMMs; at the end
+  // warpgroup 0 takes the hand-over still pending.
   auto turn_begin = [&]() {
     if constexpr (kPingPong) named_barrier_sync(kSchedulerBarrier + wg, 256);
   };
-  auto turn_end = [&](bool last) {
-    if constexpr (kPingPong) {
-      if (!(last && wg == kConsumers - 1)) named_barrier_arrive(kSchedulerBarrier + (wg + 1) % kConsumers, 256);
-    }
+  auto turn_end = [&]() {
+    if constexpr (kPingPong) named_barrier_arrive(kSchedulerBarrier + (wg + 1) % kConsumers, 256);
   };
 
-  // `it` and the tile count share one register: bit 0 the tile's parity (its index slot, its Q
-  // buffer with two, and its Q phase with one), bit 1 the Q phase with two Q buffers; above: it.
-  // At head dim 256 with varlen and softcap a separate register spills.
+  // `it` and the tile count share one register: bit 0 the Q buffer with two (the Q phase with
+  // one), bit 1 the Q phase with two Q buffers; above: it. At head dim 256 with varlen and softcap a
+  // separate register spills.
   constexpr unsigned kItShift = kQBuffers == 2 ? 2 : 1, kItStep = 1u << kItShift;
   unsigned progress = 0;
   auto it = [&]() { return static_cast<int>(progress >> kItShift); };
   // This tile's Q buffer (once the count has moved on to the next tile).
   auto q_buffer = [&]() { return kQBuffers == 2 ? (progress & 1u) ^ 1u : 0u; };
+  if constexpr (kPingPong) {
+    if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
+  }
   for (;;) {
-    named_barrier_sync_unaligned(kTileBarrier, kTileBarrierThreads);
+    // A tile starts at a barrier: all the consumers' without ping-pong (kTileSync), else the
+    // warpgroup's own. That one orders nothing, but ptxas takes a bar.sync as a point where the warp
+    // is converged: without it, it kept the tile's values (slots, phases, descriptors) out of
+    // uniform registers, 52-93 R2UR between the GMMAs of the ping-pong variants.
+    if constexpr (kTileSync) {
+      named_barrier_sync(kTileBarrier, 128 * kConsumers);
+    } else {
+      named_barrier_sync(kWarpgroupBarrier + wg, 128);
+    }
     // Broadcast from lane 0 so the compiler knows the index and the block count, and all they
     // derive (slots, phases, descriptors), are warp-uniform: those values can then live in uniform
     // registers, not in the ones the accumulators need, and need no move to uniform registers before
     // every wgmma (35 to 86 such moves in the loop over key blocks, by head dim, without this).
     progress = __shfl_sync(0xffffffffu, progress, 0);
-    const int index = __shfl_sync(0xffffffffu, static_cast<int>(ld_shared_b32(tile_slots + 4 * (progress & 1))), 0);
+    const unsigned next_q = kQBuffers == 2 ? progress & 1u : 0u;
+    mbarrier_wait(q_full(next_q), (kQBuffers == 2 ? progress >> 1 : progress) & 1u);
+    const int index = tile_index(next_q);
     if (index >= p.num_tiles) break;
-    if constexpr (kQBuffers == 2) {
-      mbarrier_wait(q_full(progress & 1), (progress >> 1) & 1);
-      progress = (progress & ~3u) | ((progress + 1) & 3u);
-    } else {
-      mbarrier_wait(q_full(0), progress & 1);
-      progress ^= 1;
-    }
+    progress = kQBuffers == 2 ? (progress & ~3u) | ((progress + 1) & 3u) : progress ^ 1u;
     const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
     if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
       mbarrier_arrive_warp(q_empty(q_buffer()));
@@ -585,9 +607,6 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           }
       };
 
-      if constexpr (kPingPong) {
-        if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
-      }
       for (int n = t.kb.n_max - 1; n >= n_top; --n) {  // waiting for full keeps the slots' phases in step
         const int slot = it() % kStages, parity = (it() / kStages) & 1;
         mbarrier_wait(k_full(slot), parity);
@@ -596,11 +615,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_arrive_warp(v_empty(slot));
         progress += kItStep;
         turn_begin();  // one turn per block, as if it were computed
-        turn_end(false);
+        turn_end();
       }
       if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
         turn_begin();
-        turn_end(true);
+        turn_end();
         if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));
       } else {
         // First block: S and softmax (O is still zero: not rescaled after it, or by its correction, 0).
@@ -610,7 +629,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_begin();
         wgmma_fence();
         issue_qk(it() % kStages);
-        turn_end(false);
+        turn_end();
         wgmma_wait<0>();
         pin_registers(s);
         mbarrier_arrive_warp(k_empty(it() % kStages));
@@ -649,7 +668,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           wgmma_fence();  // O was rescaled and P written by ordinary instructions
           issue_qk(slot);
           issue_pv(prev);
-          turn_end(false);
+          turn_end();
           if constexpr (kOverlapPV) pv_slot = prev;
           wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
           pin_registers(s);
@@ -673,7 +692,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_begin();
         wgmma_fence();
         issue_pv(last);
-        turn_end(true);
+        turn_end();
         wgmma_wait<0>();
         pin_registers(o);
         mbarrier_arrive_warp(v_empty(last));
@@ -718,7 +737,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
     }
     if constexpr (kOStage != kOStageDirect) {
-      named_barrier_sync(kEpilogueBarrier + e_wg, 128);
+      named_barrier_sync(kWarpgroupBarrier + e_wg, 128);
       // Each thread keeps one 16-byte chunk column c of the rows and steps down them kRowsPerPass at
       // a time, so a chunk costs a bounds test, a load and a store: with the row and column derived
       // from a running index (signed divisions and swizzle arithmetic), it was ~40 instructions.
@@ -746,8 +765,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       fence_proxy_async_shared();
       mbarrier_arrive_warp(q_empty(0));
     } else if constexpr (kOStage == kOStageOwn) {
-      named_barrier_sync(kEpilogueBarrier + e_wg, 128);  // reads done before the next tile's writes
+      named_barrier_sync(kWarpgroupBarrier + e_wg, 128);  // reads done before the next tile's writes
     }
+  }
+  if constexpr (kPingPong) {
+    if (wg == 0) turn_begin();  // the hand-over after the last tile (or, with none, the first)
   }
 }
 
