@@ -234,6 +234,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if (thread_index_again() % 32 == 0) index = ld_shared_b32(tile_slots + 4 * b);
     return __shfl_sync(0xffffffffu, static_cast<int>(index), 0);
   };
+  // Each role counts tiles in the low bits of a loop-state word (the consumers modulo 2 kQBuffers,
+  // the producer and the transposing warps modulo 4): the count's Q buffer and that buffer's phase.
+  auto q_buffer_of = [](unsigned count) { return count % kQBuffers; };
+  auto q_phase_of = [](unsigned count) { return (count / kQBuffers) & 1u; };
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: descriptors derived from it can
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // (lanes p < 4 the even one in matrices 0 and 2): the 8 rows of each matrix then have 8
         // different swizzle phases, so neither instruction has bank conflicts.
         // The producer's 24 registers (or 32): one word holds the loop state. Bits 0-1: the tile
-        // count modulo 4 (Q buffer and phase, as q_count); bits 2-7: the block count `it` modulo 2
+        // count (q_buffer_of, q_phase_of); bits 2-7: the block count `it` modulo 2
         // kStages (all the slot and its phase need); bits 16 and up: the blocks left in this tile (at
         // most 65,535: fwd_sm90.py refuses longer key sequences for e4m3). Nothing lane-derived is
         // kept live across the warp-role split (ptxas would spill it here): lane values come from
@@ -295,8 +299,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         constexpr unsigned kBlockOne = 1u << 16;
         unsigned progress = 0;
         for (;;) {
-          const unsigned q_buffer = progress % kQBuffers;
-          mbarrier_wait(q_full(q_buffer), (progress / kQBuffers) & 1);
+          const unsigned q_buffer = q_buffer_of(progress);
+          mbarrier_wait(q_full(q_buffer), q_phase_of(progress));
           const int index = tile_index(q_buffer);
           mbarrier_arrive_warp(q_empty(q_buffer));
           if (index >= p.num_tiles) break;
@@ -360,8 +364,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // The next Q buffer, once the tile before in it is done with it; and the tile's index published
     // in its slot with the arrival on q_full (whose phase then waits for `q_bytes` of Q; only the leader).
     auto next_q_buffer = [&]() {
-      const unsigned q_buffer = q_count % kQBuffers;
-      if (leader) mbarrier_wait(q_empty(q_buffer), ((q_count / kQBuffers) & 1) ^ 1);
+      const unsigned q_buffer = q_buffer_of(q_count);
+      if (leader) mbarrier_wait(q_empty(q_buffer), q_phase_of(q_count) ^ 1);
       q_count = (q_count + 1) & 3u;
       return q_buffer;
     };
@@ -466,9 +470,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if constexpr (kPingPong) named_barrier_arrive(kSchedulerBarrier + (wg + 1) % kConsumers, 256);
   };
 
-  // `it` and the tile count share one register: bit 0 the Q buffer with two (the Q phase with
-  // one), bit 1 the Q phase with two Q buffers; above: it. At head dim 256 with varlen and softcap a
-  // separate register spills.
+  // `it` and the tile count share one register: the count in bit 0 (bits 0-1 with two Q buffers),
+  // it above. At head dim 256 with varlen and softcap a separate register spills.
   constexpr unsigned kItShift = kQBuffers == 2 ? 2 : 1, kItStep = 1u << kItShift;
   unsigned progress = 0;
   auto it = [&]() { return static_cast<int>(progress >> kItShift); };
@@ -492,8 +495,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // registers, not in the ones the accumulators need, and need no move to uniform registers before
     // every wgmma (35 to 86 such moves in the loop over key blocks, by head dim, without this).
     progress = __shfl_sync(0xffffffffu, progress, 0);
-    const unsigned next_q = kQBuffers == 2 ? progress & 1u : 0u;
-    mbarrier_wait(q_full(next_q), (kQBuffers == 2 ? progress >> 1 : progress) & 1u);
+    const unsigned next_q = q_buffer_of(progress);
+    mbarrier_wait(q_full(next_q), q_phase_of(progress));
     const int index = tile_index(next_q);
     if (index >= p.num_tiles) break;
     progress = kQBuffers == 2 ? (progress & ~3u) | ((progress + 1) & 3u) : progress ^ 1u;

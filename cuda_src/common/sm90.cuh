@@ -245,14 +245,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// Named barriers (ids 1..15; 0 is __syncthreads'); `threads` counts waiters and arrivers.
+// Named barriers (ids 1..15; 0 is __syncthreads'); `threads` counts waiters and arrivers. bar.sync
+// is the aligned form: all blocking participants of a generation execute this same instruction
+// (synccheck reports otherwise; barrier.sync would allow different ones, but in fwd_sm90 it also
+// cost 2-3.5% where it replaced bar.sync: benchmarks/NOTES-sm90.md, version 34).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// The unaligned form, for a barrier generation whose participants reach it from different static
-// instructions (different warp roles): bar.sync promises they all execute the same one.
-__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
