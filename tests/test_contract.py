@@ -301,9 +301,9 @@ def _feature_cases():
     for label, exc, match, kw in cases:
         bad(QKV_OPS, label, exc, match, kw=kw)
     for label, value in (("1", 1), ("None", None), ("str", "True"), ("array", np.array(True))):
-        bad(FORWARDS, f"return_lse-{label}", TypeError, rf"^return_lse must be a bool; got", kw=dict(return_lse=value))
+        bad(FORWARDS, f"return_lse-{label}", TypeError, r"^return_lse must be a bool; got", kw=dict(return_lse=value))
     for label, value in (("1", 1), ("None", None), ("str", "True"), ("array", np.array(True))):
-        bad(BACKWARDS, f"deterministic-{label}", TypeError, rf"^deterministic must be a bool; got",
+        bad(BACKWARDS, f"deterministic-{label}", TypeError, r"^deterministic must be a bool; got",
             kw=dict(deterministic=value))
     for label, value in (("unknown", "sm70"), ("family-name", "fwd_sm90"), ("int", 90), ("upper", "SM90")):
         bad(FORWARDS, f"backend-{label}", ValueError, r"^backend must be None \(cuflash chooses\) or one of \['sm80', 'sm90'\]",
