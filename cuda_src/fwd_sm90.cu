@@ -3,15 +3,15 @@
 //
 // The grid is one CTA per SM. Output tiles are kBlockM = 64 * kConsumers query rows of one (batch, head),
 // numbered m-block fastest (a head's row blocks run side by side and share K and V in L2), latest
-// row block first (for causal, the longest tiles go first). CTA c starts with tile c and then takes
-// the next untaken tile from a global counter, so tiles of unequal length (causal) balance out as
-// they would under the hardware's own block scheduler. The producer draws the indices and publishes
-// each with the tile's Q: written into the Q buffer's index slot before its arrival on Q's full
-// barrier (an mbarrier arrival releases, a completed wait acquires). A consumer warpgroup thus
-// starts a tile as soon as its Q is there, while the other consumers may still be finishing the
-// tile before (with ping-pong the turns run on across tiles; without, the consumers start each
-// tile together, kTileBarrier), and nothing makes the producer wait for the consumers but its
-// ring's and Q's empty barriers.
+// row block first (for causal, the longest tiles go first; Tile says where a part-empty tile goes).
+// CTA c starts with tile c and then takes the next untaken tile from a global counter, so tiles of
+// unequal length (causal) balance out as they would under the hardware's own block scheduler. The
+// producer draws the indices and publishes each with the tile's Q: written into the Q buffer's
+// index slot before its arrival on Q's full barrier (an mbarrier arrival releases, a completed wait
+// acquires). A consumer warpgroup thus starts a tile as soon as its Q is there, while the other
+// consumers may still be finishing the tile before (with ping-pong the turns run on across tiles;
+// without, the consumers start each tile together, kTileBarrier), and nothing makes the producer
+// wait for the consumers but its ring's and Q's empty barriers.
 // 1 + kConsumers warpgroups:
 //   warpgroup 0   producer: gives registers away (setmaxnreg), and one thread issues TMA loads
 //                 of each tile's Q and of K and V tiles into a kStages-deep ring, each completing
@@ -41,9 +41,10 @@
 // first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim atoms][rows][128
 // bytes] (an atom is 64 16-bit or 128 e4m3 elements; e4m3's head dim 64 fills half of one), TMA's
 // 128-byte swizzle, exactly what the wgmma descriptors read.
-// Rows beyond seqlen_q and keys beyond seqlen_k come back from TMA as zeros (dense) or belong to
-// the next sequence (varlen); keys are masked, rows are never stored. Head-dim columns beyond
-// `headdim` (kHeadDim is padded to a compiled one) are out of bounds for TMA: zeros.
+// Rows outside [0, seqlen_q) (a sequence's first tile may start above row 0: Tile) and
+// keys beyond seqlen_k come back from TMA as zeros (dense) or belong to a neighbouring sequence
+// (varlen); keys are masked, rows are never stored. Head-dim columns beyond `headdim` (kHeadDim
+// is padded to a compiled one) are out of bounds for TMA: zeros.
 // Each consumer releases Q once its last GEMM of the tile is done (or, with O staged in Q's tile,
 // once O is stored), so the next tile's Q loads while it divides O by the row sums and stores it
 // (OStage: through shared memory in 16-byte row chunks, or straight from the accumulators); the
@@ -121,21 +122,32 @@ constexpr int kTileCounters = 4096;
 __device__ int tile_counters[kTileCounters][2];
 
 // One output tile: where its rows and keys are, and the key blocks its rows can see.
+// Tiles are aligned to the sequence's last row: where seqlen_q is not a multiple of kBlockM, the
+// part-empty tile is the first, which starts above row 0 (m0 < 0; TMA zero-fills those rows, or,
+// varlen, they belong to the sequence before; they are never stored). A tile's warpgroups start
+// together, so a tile lasts as long as its busiest warpgroup whatever the others do, and under a
+// causal mask the first rows see the fewest keys: the part-empty tile is then the cheapest, where
+// aligned to row 0 it would be the most expensive. Measured on H100: head dim 64 causal +1.5% at
+// 512, +3% at 1k (three consumers, 192 rows); unmasked, where every tile sees the same keys, -0.5%
+// (benchmarks/NOTES-sm90.md, version 35).
 struct Tile {
   int m0, h, b;
   int seqlen_q, seqlen_k;
   int q_row0, k_row0;  // varlen: where the sequence starts in the packed tensors
-  KeyBlocks kb;        // the key blocks its rows see (none for a tile beyond its varlen sequence)
+  KeyBlocks kb;        // the key blocks its rows see (none for a tile before its varlen sequence)
+  // Whether `row` of this sequence exists (the first tile's rows may lie above row 0).
+  __device__ __forceinline__ bool has_row(int row) const {
+    return static_cast<unsigned>(row) < static_cast<unsigned>(seqlen_q);
+  }
 };
 
 template <int kBlockM, int kBlockN, bool kVarlen>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
   const int hb = fast_div(index, p.blocks_m_div);
-  const int m_block = p.blocks_m - 1 - (index - hb * p.blocks_m);  // latest row block first
+  const int from_last = index - hb * p.blocks_m;  // row blocks counted from the sequence's end
   t.b = fast_div(hb, p.nheads_div);
   t.h = hb - t.b * p.nheads;
-  t.m0 = m_block * kBlockM;
   t.seqlen_q = p.seqlen_q;
   t.seqlen_k = p.seqlen_k;
   t.q_row0 = t.k_row0 = 0;
@@ -145,6 +157,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
     t.seqlen_q = p.cu_seqlens_q[t.b + 1] - t.q_row0;
     t.seqlen_k = p.cu_seqlens_k[t.b + 1] - t.k_row0;
   }
+  t.m0 = t.seqlen_q - (from_last + 1) * kBlockM;
   t.kb = key_blocks<kBlockN>(t.m0, kBlockM, t.seqlen_q, t.seqlen_k, p.window_left, p.window_right);
   return t;
 }
@@ -501,7 +514,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if (index >= p.num_tiles) break;
     progress = kQBuffers == 2 ? (progress & ~3u) | ((progress + 1) & 3u) : progress ^ 1u;
     const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
-    if (t.m0 >= t.seqlen_q) {  // a varlen sequence shorter than the longest: nothing to do
+    if (t.m0 + kBlockM <= 0) {  // a varlen sequence shorter than the longest: nothing to do
       mbarrier_arrive_warp(q_empty(q_buffer()));
       continue;
     }
@@ -516,9 +529,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 
     if (t.kb.n_max > t.kb.n_min) {
       // kPassBy: this warpgroup's own blocks. Under a causal or window mask its 64 rows may see fewer
-      // keys than the tile's last rows, and rows past seqlen_q (the tile's tail) see none. The blocks
-      // above them are passed by without GEMMs (full waited, empty arrived, ping-pong turns taken):
-      // the tensor cores the warpgroups share then run useful work only.
+      // keys than the tile's last rows, and rows above row 0 (a sequence's first tile) see
+      // none. The blocks above them are passed by without GEMMs (full waited, empty arrived,
+      // ping-pong turns taken): the tensor cores the warpgroups share then run useful work only.
       int n_top = t.kb.n_max;
       if constexpr (kPassBy) {
         const KeyBlocks own = key_blocks<kBlockN>(t.m0 + wg * 64, 64, t.seqlen_q, t.seqlen_k, window_left, window_right);
@@ -541,7 +554,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int row = t.m0 + wg * 64 + row_in_wg + 8 * hf;
-          if (row < t.seqlen_q) q_descale[hf] = descale(0, t.h, row / 128);
+          if (t.has_row(row)) q_descale[hf] = descale(0, t.h, row / 128);
         }
       }
 
@@ -728,14 +741,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const unsigned packed = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
         if constexpr (kOStage == kOStageDirect) {
           const int col = 8 * nt + 2 * (e_lane % 4);
-          if (row < te.seqlen_q && col < p.headdim) {  // the head dim is even: col + 1 is in too
+          if (te.has_row(row) && col < p.headdim) {  // the head dim is even: col + 1 is in too
             *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed;
           }
         } else {
           st_shared_b32(stage + (nt / 8) * kBlockM * 128 + sw128_offset(r, nt % 8) + (e_lane % 4) * 4, packed);
         }
       }
-      if (e_lane % 4 == 0 && row < te.seqlen_q) {
+      if (e_lane % 4 == 0 && te.has_row(row)) {
         lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
       }
     }
@@ -757,7 +770,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (unsigned i = 0; i < 64 / kRowsPerPass; ++i) {
           const unsigned r = r0 + i * kRowsPerPass;
-          if (row0 + static_cast<int>(i * kRowsPerPass) < te.seqlen_q) {
+          if (te.has_row(row0 + static_cast<int>(i * kRowsPerPass))) {
             st_global_v4(dst + i * kRowsPerPass * p.o_stride_s, ld_shared_v4(src + sw128_offset(r, c % 8)));
           }
         }

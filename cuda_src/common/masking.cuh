@@ -14,19 +14,22 @@ struct KeyBlocks {
   int n_full_lo, n_full_hi;  // every row sees all of block n for n_full_lo <= n <= n_full_hi: no mask there
 };
 
+// m0 may be negative (fwd_sm90 aligns its tiles to the last row): rows outside [0, seqlen_q) see
+// nothing.
 template <int kBlockN>
 __device__ __forceinline__ KeyBlocks key_blocks(int m0, int rows, int seqlen_q, int seqlen_k, int left, int right) {
   const int offset = seqlen_k - seqlen_q;
+  const int row_first = max(m0, 0);
   const int row_last = min(m0 + rows, seqlen_q) - 1;
-  const int key_lo = left >= 0 ? max(0, m0 + offset - left) : 0;
+  const int key_lo = left >= 0 ? max(0, row_first + offset - left) : 0;
   const int key_hi = right >= 0 ? min(seqlen_k, row_last + offset + right + 1) : seqlen_k;
   KeyBlocks kb;
   kb.n_min = key_lo / kBlockN;
-  kb.n_max = key_hi > key_lo && m0 < seqlen_q ? (key_hi + kBlockN - 1) / kBlockN : kb.n_min;
+  kb.n_max = key_hi > key_lo && row_first <= row_last ? (key_hi + kBlockN - 1) / kBlockN : kb.n_min;
   // Below n_full_lo some row's window starts inside the block; above n_full_hi lies the key tail,
   // or some row's window ends inside the block.
   kb.n_full_lo = left >= 0 ? (max(0, row_last + offset - left) + kBlockN - 1) / kBlockN : 0;
-  kb.n_full_hi = (right >= 0 ? min(seqlen_k, m0 + offset + right + 1) : seqlen_k) / kBlockN - 1;
+  kb.n_full_hi = (right >= 0 ? min(seqlen_k, row_first + offset + right + 1) : seqlen_k) / kBlockN - 1;
   return kb;
 }
 
