@@ -532,11 +532,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       // keys than the tile's last rows, and rows above row 0 (a sequence's first tile) see
       // none. The blocks above them are passed by without GEMMs (full waited, empty arrived,
       // ping-pong turns taken): the tensor cores the warpgroups share then run useful work only.
-      int n_top = t.kb.n_max;
+      // And the blocks masked element by element are those its own rows see only in part: the
+      // tile's diagonal band is kBlockM keys wide, a warpgroup's 64 (head dim 64 causal at 512:
+      // about one block in six of a warpgroup's was masked needlessly).
+      int n_top = t.kb.n_max, n_full_lo = t.kb.n_full_lo, n_full_hi = t.kb.n_full_hi;
       if constexpr (kPassBy) {
         const KeyBlocks own = key_blocks<kBlockN>(t.m0 + wg * 64, 64, t.seqlen_q, t.seqlen_k, window_left, window_right);
         // (Broadcast like the tile index: the compiler then keeps it, and the loop bounds, uniform.)
         n_top = __shfl_sync(0xffffffffu, own.n_max > own.n_min ? min(own.n_max, t.kb.n_max) : t.kb.n_min, 0);
+        n_full_lo = own.n_full_lo;
+        n_full_hi = own.n_full_hi;
       }
       float s[kSAcc];
       unsigned pa[kPSteps][4];
@@ -584,7 +589,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
           for (int i = 0; i < kSAcc; ++i) s[i] = softcap_score(s[i], p.softcap_exp2_scale, p.softcap);
         }
-        if (n < t.kb.n_full_lo || n > t.kb.n_full_hi) {  // only blocks that straddle a boundary
+        if (n < n_full_lo || n > n_full_hi) {  // only blocks that straddle a boundary of these rows
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             int lo, hi;  // this row's visible keys, relative to this thread's first column of the block
