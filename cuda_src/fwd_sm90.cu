@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       // ping-pong turns taken): the tensor cores the warpgroups share then run useful work only.
       // And the blocks masked element by element are those its own rows see only in part: the
       // tile's diagonal band is kBlockM keys wide, a warpgroup's 64 (head dim 64 causal at 512:
-      // about one block in six of a warpgroup's was masked needlessly).
+      // three of a head's twenty warpgroup-blocks were masked needlessly; NOTES-sm90.md, version 36).
       int n_top = t.kb.n_max, n_full_lo = t.kb.n_full_lo, n_full_hi = t.kb.n_full_hi;
       if constexpr (kPassBy) {
         const KeyBlocks own = key_blocks<kBlockN>(t.m0 + wg * 64, 64, t.seqlen_q, t.seqlen_k, window_left, window_right);
