@@ -162,10 +162,44 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   return t;
 }
 
+// Softcap, mask (where `masked`: the block straddles a boundary of these rows) and online softmax of
+// the first kN keys of a key block in s, the S accumulators of one thread (rows `row` and row + 8,
+// columns from col0 on, relative to the sequence); scale: each row's log2-domain score scale.
+// Returns each row's O rescale factor in correction. kN is the block's width, or kHalfTop's half.
+template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, int kSAcc>
+__device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, int row, int col0, const Tile& t,
+                                              int window_left, int window_right, float softcap_exp2_scale,
+                                              float softcap, const float (&scale)[2], float (&row_max)[2],
+                                              float (&row_sum)[2], float (&correction)[2]) {
+  static_assert(kN <= 2 * kSAcc, "kN keys of the block");
+  if constexpr (kSoftcap) {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) s[i] = softcap_score(s[i], softcap_exp2_scale, softcap);
+  }
+  if (masked) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      int lo, hi;  // this row's visible keys, relative to this thread's first column of the block
+      visible_columns(row + 8 * hf, col0, t.seqlen_q, t.seqlen_k, window_left, window_right, lo, hi);
+#pragma unroll
+      for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (nt * 8 + e < lo || nt * 8 + e > hi) s[4 * nt + 2 * hf + e] = -infinity();
+        }
+    }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kMaxChains>(
+        [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf], scale[hf]);
+  }
+}
+
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
-          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kVPreTransposed,
-          int kQBuffers>
+          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
+          bool kVPreTransposed, int kQBuffers>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   // e4m3 with V as the caller passed it: producer warps 1..3 transpose each block in shared memory.
@@ -203,6 +237,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
   constexpr int kMaxChains = kFp8 && kHeadDim == 256 ? 4 : 1;
+  // The softmax of a warpgroup's top key block on its first half only where its rows see only that
+  // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;
+  // the unmasked ones keep their smaller code, which the extra path cost 2-4%), with pass-by (its
+  // own blocks are known), 128-key blocks (64-key halves: whole k steps of P V in 16 bits and
+  // e4m3), and P packed right after that softmax (no kOverlapPV). benchmarks/NOTES-sm90.md,
+  // version 37.
+  constexpr bool kHalfTop = kMasked && kPassBy && kBlockN == 128 && !kOverlapPV;
   static_assert(sizeof(TOut) == 2, "O in fp16 / bf16");
   static_assert(kFp8 || sizeof(T) == 2, "fp16 / bf16 / e4m3");
   static_assert((kFp8 ? kHeadDim % 64 : kHeadDim % kAtomElems) == 0 && kHeadDim <= 256,
@@ -543,6 +584,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         n_full_lo = own.n_full_lo;
         n_full_hi = own.n_full_hi;
       }
+      // kHalfTop: where the keys this warpgroup's rows see end in the first half of its top block (a
+      // causal diagonal whose 64 rows start at a multiple of 128, or a key tail of at most half a
+      // block), that block's mask and softmax run on its first half only and its P is zero beyond.
+      // (S = Q K^T stays full width: a wgmma of N = 64 beside the N = 128 ones, under this branch,
+      // made ptxas serialize every wgmma of the kernel, C7515.)
+      bool half_top = false;
+      if constexpr (kHalfTop) {
+        const int own_last = min(t.m0 + wg * 64 + 64, t.seqlen_q) - 1;
+        const int own_end = window_right >= 0
+                                ? min(t.seqlen_k, own_last + t.seqlen_k - t.seqlen_q + window_right + 1)
+                                : t.seqlen_k;
+        half_top = __shfl_sync(0xffffffffu, own_end <= (n_top - 1) * kBlockN + kBlockN / 2, 0);
+      }
       float s[kSAcc];
       unsigned pa[kPSteps][4];
       // e4m3: the descale of tensor `which` (q, k, v) for this tile's batch, head `head` and block
@@ -583,43 +637,38 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_commit();
       };
 
-      // Softcap, mask and online softmax of block n in s; returns each row's O rescale factor.
-      auto softmax = [&](int n, float k_descale, float (&correction)[2]) {
-        if constexpr (kSoftcap) {
-#pragma unroll
-          for (int i = 0; i < kSAcc; ++i) s[i] = softcap_score(s[i], p.softcap_exp2_scale, p.softcap);
-        }
-        if (n < n_full_lo || n > n_full_hi) {  // only blocks that straddle a boundary of these rows
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            int lo, hi;  // this row's visible keys, relative to this thread's first column of the block
-            visible_columns(t.m0 + wg * 64 + row_in_wg + 8 * hf, n * kBlockN + 2 * (lane % 4), t.seqlen_q, t.seqlen_k,
-                            window_left, window_right, lo, hi);
-#pragma unroll
-            for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                if (nt * 8 + e < lo || nt * 8 + e > hi) s[4 * nt + 2 * hf + e] = -infinity();
-              }
+      // Softcap, mask and online softmax of block n in s (of its first half: `half`, kHalfTop);
+      // returns each row's O rescale factor.
+      auto softmax = [&](int n, float k_descale, float (&correction)[2], bool half = false) {
+        const float scale[2] = {kFp8 ? p.scale_log2 * q_descale[0] * k_descale : p.scale_log2,
+                                kFp8 ? p.scale_log2 * q_descale[1] * k_descale : p.scale_log2};
+        const bool masked = n < n_full_lo || n > n_full_hi;  // blocks that straddle a boundary of these rows
+        const int row = t.m0 + wg * 64 + row_in_wg, col0 = n * kBlockN + 2 * (lane % 4);
+        if constexpr (kHalfTop) {
+          if (half) {
+            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains>(
+                s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
+                row_sum, correction);
+            return;
           }
         }
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          correction[hf] = online_softmax_row<kBlockN / 4, kExpOffset, kStaleMax, kMaxChains>(
-              [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf],
-              kFp8 ? p.scale_log2 * q_descale[hf] * k_descale : p.scale_log2);
-        }
+        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains>(
+            s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
+            row_sum, correction);
       };
       // P to the A registers of P V. 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are those
       // of k16 step j. e4m3: k32 step j takes accumulators 16j..16j+15, four to a register in the
       // order (0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15): rows r, r + 8, r, r + 8,
       // the key order V^T was written in (kTransposeWarps).
-      auto pack_p = [&]() {
+      // With `half` (kHalfTop), P of the block's second half is zero: its softmax did not run there.
+      auto pack_p = [&](bool half = false) {
 #pragma unroll
         for (int j = 0; j < kPSteps; ++j)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            if constexpr (kFp8) {
+            if (kHalfTop && half && j >= kPSteps / 2) {
+              pa[j][r] = 0u;
+            } else if constexpr (kFp8) {
               const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
               pa[j][r] = pack4_e4m3(s[a], s[a + 1], s[a + 4], s[a + 5]);
             } else {
@@ -655,7 +704,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         pin_registers(s);
         mbarrier_arrive_warp(k_empty(it() % kStages));
         float correction[2];
-        softmax(n_top - 1, k_descale_top, correction);
+        softmax(n_top - 1, k_descale_top, correction, half_top);
         // The end of P V(n + 1): wait for it, release its V slot (v_slot < 0: none), rescale O (when
         // `rescale_o`) and pack block n's P. At the bottom of iteration n, or (kOverlapPV) at the
         // top of iteration n - 1 (see the top of this file).
@@ -675,7 +724,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         // Not after the first block, where O is zero (kOverlapPV multiplies it, by 0: no branch).
         bool rescale = kOverlapPV && kStaleMax == 0;
         int pv_slot = -1;  // kOverlapPV: the V slot of the P V in flight (none before the second block)
-        if constexpr (!kOverlapPV) pack_p();
+        if constexpr (!kOverlapPV) {
+          if (half_top) {
+            pack_p(true);
+          } else {
+            pack_p();
+          }
+        }
 
         for (int n = n_top - 2; n >= t.kb.n_min; --n) {
           const float k_descale = kv_descale(1, n), v_descale = kv_descale(2, n);

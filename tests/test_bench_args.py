@@ -21,7 +21,7 @@ def test_sm90_tiles_rows_match_the_table_layout():
     assert rows == {128: (3, 80, 2, False, True), 64: (3, 128, 2, False, False)}
     for headdim, tiles in rows.items():
         # the same positions as a TILES row: a variant built from it names the fields it was given
-        variant = fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", headdim, *tiles, False, False, True, False)
+        variant = fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", headdim, *tiles, False, False, True, False, False)
         variant.check()
         assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.overlap_pv) == tiles
     assert all(len(tiles) == 5 for tiles in fwd_sm90.SOFTCAP_TILES.values())
@@ -33,7 +33,7 @@ def test_fp8_tiles_rows_match_the_table_layout():
     assert rows == {256: (2, 128, 3, True, False, True), 64: (3, 128, 2, False, False, False)}
     for headdim, tiles in rows.items():
         variant = fwd_sm90.FwdFp8Sm90Variant(fwd_sm90.FP8, "bfloat16", headdim, *tiles[:5], False, False, True,
-                                             tiles[5])
+                                             False, tiles[5])
         variant.check()
         assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.overlap_pv,
                 variant.v_pretransposed) == tiles

@@ -157,6 +157,7 @@ class FwdSm90Variant(Variant):
     varlen: bool
     softcap: bool
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
+    masked: bool  # compiled for a causal or window mask (_mask_fields)
     v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
 
     def check(self) -> None:
@@ -218,8 +219,8 @@ class FwdSm90Variant(Variant):
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
                 str(self.block_n), str(self.stages), cxx_bool(self.pingpong), cxx_bool(self.overlap_pv),
                 O_STAGE_CXX[self.o_stage],
-                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.v_pretransposed),
-                str(self.q_buffers))
+                cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
+                cxx_bool(self.v_pretransposed), str(self.q_buffers))
 
 
 @dataclass(frozen=True)
@@ -261,16 +262,30 @@ def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, b
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
+def _mask_fields(table: dict, headdim: int, problem) -> tuple[bool, bool]:
+    """(pass_by, masked) for this head dim and problem: whether a causal or window mask applies, and
+    `table`'s pass-by choice (PASS_BY, FP8_PASS_BY) for it. Masked problems run variants of their own
+    (the kernel's kMasked: a warpgroup's diagonal block at half width where it can), so that the
+    unmasked ones keep their smaller code (benchmarks/NOTES-sm90.md, version 37)."""
+    masked = problem.window_left >= 0 or problem.window_right >= 0
+    return table[headdim][masked], masked
+
+
+def _mask_choices(table: dict, headdim: int) -> tuple[tuple[bool, bool], ...]:
+    """Every (pass_by, masked) pair _mask_fields makes for this head dim."""
+    return tuple((table[headdim][masked], masked) for masked in (False, True))
+
+
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, pass_by, False) for dtype in sorted(CXX_TYPES)
+    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
-                 for _, tiles in _rows(hd, softcap) for pass_by in sorted(set(PASS_BY[hd])))
+                 for _, tiles in _rows(hd, softcap) for mask in _mask_choices(PASS_BY, hd))
 
 
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
-    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, pass_by, tiles[5])
+    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5])
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for _, tiles in FP8_TILES[hd]
-                      for pass_by in sorted(set(FP8_PASS_BY[hd])))
+                      for mask in _mask_choices(FP8_PASS_BY, hd))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
@@ -305,11 +320,6 @@ def _check_tile_count(family: str, problem, variant) -> None:
                          "large")
 
 
-def _pass_by(table: dict, headdim: int, problem) -> bool:
-    """The pass-by choice of `table` (PASS_BY, FP8_PASS_BY) for this head dim and mask."""
-    return table[headdim][problem.window_left >= 0 or problem.window_right >= 0]
-
-
 def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("fwd_sm90", problem, inputs)
@@ -317,7 +327,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
-                             _pass_by(PASS_BY, headdim, problem), False)
+                             *_mask_fields(PASS_BY, headdim, problem), False)
     _check_tile_count("fwd_sm90", problem, variant)
     return variant
 
@@ -354,7 +364,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     tiles = _fp8_tiles(problem)
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
-                                _pass_by(FP8_PASS_BY, headdim, problem), tiles[5])
+                                *_mask_fields(FP8_PASS_BY, headdim, problem), tiles[5])
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
