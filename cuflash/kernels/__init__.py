@@ -106,6 +106,10 @@ class ParamStruct:
         return np.frombuffer(params, self._void)
 
 
+def launch_nothing(inputs, outputs, stream) -> None:
+    """The prepared launch (Family.prepare) of an empty problem: no block to run, nothing to write."""
+
+
 ROW_ALIGN_BYTES = 16  # one cp.async chunk or vector load
 
 

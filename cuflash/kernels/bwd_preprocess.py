@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, rows_aligned
+from . import CXX_TYPES, Family, Variant, check_grid_yz, compiled_headdim, launch_nothing, rows_aligned
 
 # Compiled head dims; a smaller one runs on the next one up, reading only its own columns.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -59,14 +59,10 @@ def select(problem, inputs) -> BwdPreprocessVariant:
     return BwdPreprocessVariant(problem.dtype, headdim, vec)
 
 
-def _launch_nothing(inputs, outputs, stream) -> None:
-    """No row: nothing to compute."""
-
-
 def prepare(variant: BwdPreprocessVariant, function, problem, inputs, outputs):
     """Family.prepare: the grid and every argument but the three addresses, made once."""
     if problem.batch * problem.nheads * problem.seqlen_q == 0:
-        return _launch_nothing
+        return launch_nothing
     check_grid_yz("bwd_preprocess", problem.nheads, problem.batch)
     grid = ((problem.seqlen_q + variant.rows_per_block - 1) // variant.rows_per_block, problem.nheads, problem.batch)
     sizes = (np.int32(problem.seqlen_q), np.int32(problem.nheads), np.int32(problem.headdim),

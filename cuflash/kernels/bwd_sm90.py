@@ -153,8 +153,7 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
         # TMA and the bulk reductions take 16-byte aligned workspace (every framework's allocator aligns more)
         assert dq_accum.ptr % 16 == 0 and delta.ptr % 16 == 0, "bwd_sm90's workspace is not 16-byte aligned"
         params = bytearray(template)
-        for field, name, (dims, strides, box) in maps:
-            PARAMS.write(params, field, tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box))
+        fwd_sm90.write_tensor_maps(PARAMS, params, dtype, maps, inputs)
         PARAMS.write(params, "lse_map", tma.encode_tiled("float32", inputs["lse"].ptr, *lse_layout,
                                                          swizzle=tma.SWIZZLE_NONE))
         PARAMS.write(params, "delta_map", tma.encode_tiled("float32", delta.ptr, *delta_layout,

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import jit
-from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, require_rows_aligned
+from . import (CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, launch_nothing,
+               require_rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 
@@ -143,16 +144,12 @@ def select(problem, inputs) -> FwdSm80Variant:
     return FwdSm80Variant(problem.dtype, headdim, *tiles, problem.varlen, softcap, fused_pv)
 
 
-def _launch_nothing(inputs, outputs, stream) -> None:
-    """An empty problem: no row block to run."""
-
-
 def prepare(variant: FwdSm80Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter struct without addresses, made once; each launch
     writes the addresses in."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     if blocks_m * problem.nheads * problem.batch == 0:
-        return _launch_nothing
+        return launch_nothing
     template = PARAMS.template(
         seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
         headdim=problem.headdim, **mask_and_softmax_fields(problem), **row_stride_fields(problem, lse=outputs["lse"]),

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import jit, tma
 from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim,
-               cxx_bool, fast_divisor, require_rows_aligned)
+               cxx_bool, fast_divisor, launch_nothing, require_rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 
@@ -385,6 +385,14 @@ def map_layout(problem, array, nheads: int, rows: int) -> tuple:
     return (problem.headdim, nheads, array.shape[1], problem.batch), strides, (atom, 1, rows, 1)
 
 
+def write_tensor_maps(struct: ParamStruct, params: bytearray, dtype: str, maps, arrays: dict) -> None:
+    """The tensor maps `maps` describes ((field, array name, map_layout) triples, made once per
+    layout) encoded at the addresses of `arrays` and written into `params` (tma.encode_tiled
+    remembers each map by address)."""
+    for field, name, (dims, strides, box) in maps:
+        struct.write(params, field, tma.encode_tiled(dtype, arrays[name].ptr, dims, strides, box))
+
+
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -429,10 +437,6 @@ def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
     return launch, map_layout_vt
 
 
-def _launch_nothing(inputs, outputs, stream) -> None:
-    """An empty problem (no query rows, heads or batch): no tile to run."""
-
-
 def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid, the parameter struct without addresses and the tensor maps' layouts,
     made once; each launch writes the addresses in, looks the maps up by address (tma.encode_tiled
@@ -440,7 +444,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
     if num_tiles == 0:
-        return _launch_nothing
+        return launch_nothing
     extents = {"q": (problem.nheads, variant.block_m), "k": (problem.nheads_kv, variant.block_n),
                "v": (problem.nheads_kv, variant.block_n)}
     if variant.v_pretransposed:  # V^T's map is of the workspace, written at each launch
@@ -462,8 +466,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
-        for field, name, (dims, strides, box) in maps:
-            PARAMS.write(params, field, tma.encode_tiled(dtype, inputs[name].ptr, dims, strides, box))
+        write_tensor_maps(PARAMS, params, dtype, maps, inputs)
         if variant.v_pretransposed:
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
             transpose_v(inputs["v"], vt, stream)

@@ -10,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import reference
-from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, cxx_bool
+from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, cxx_bool, launch_nothing
 
 HEADDIMS = (64, 128, 256)  # compiled; a head dim below one (a multiple of 8) runs on it, zero-filled
 WARPS = 4
@@ -71,10 +71,6 @@ def _sign_bits(headdim: int, seed: int | None) -> tuple[int, ...]:
     return tuple(words)
 
 
-def _launch_nothing(inputs, outputs, stream) -> None:
-    """An empty x: no group to quantize."""
-
-
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter struct without addresses, made once; each launch
     writes x's, x8's and descale's addresses in."""
@@ -85,7 +81,7 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     groups = reference.fp8_blocks(problem.seqlen_q) if block else 1
     assert block in (0, reference.FP8_BLOCK), block
     if groups * problem.nheads * problem.batch == 0:
-        return _launch_nothing
+        return launch_nothing
     check_grid_yz("quantize_fp8", problem.nheads, problem.batch)
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
                   nheads=problem.nheads, headdim=problem.headdim, block=block)
