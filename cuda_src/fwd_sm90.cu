@@ -31,10 +31,16 @@
 // are read by PV(j-1) until then). ptxas schedules within a basic block: with the second wait at
 // the bottom of the loop it hoists the wait, and the packing of P that depends on it, above the
 // softmax's exponentials, so PV(j-1) overlaps only the row maxima of block j (but the packing then
-// interleaves with the exponentials, and V's slot is released a softmax sooner). kOverlapPV puts
+// interleaves with the exponentials, and V's slot is released a softmax sooner). kScheduleOverlapPV puts
 // the wait, the rescale and the packing at the top of the next iteration instead, where the loop's
 // back edge keeps the whole softmax of block j above them: a table choice per row (TILES in
-// cuflash/kernels/fwd_sm90.py; benchmarks/NOTES-sm90.md, version 26).
+// cuflash/kernels/fwd_sm90.py; benchmarks/NOTES-sm90.md, version 26). Both hold S(j), P(j-1) and O
+// in registers at once, which at head dim 256 bounds the key block to 80 (O 128 + S 40 + P 20 of
+// 240 registers). The serial schedule (kScheduleSerial) holds at most two of them: PV(j-1) is issued
+// in a turn of its own and waited for before S(j) is issued in the next, so P is dead when S is
+// written and 128-key blocks fit. The tensor cores stay busy through the other consumers' GEMMs,
+// issued in the turns between (ping-pong): a warpgroup waits for its PV(j-1) while another's PV
+// runs, and does its softmax while another's S runs, so the GEMMs must outlast a softmax.
 // With kPingPong the consumers take turns, round robin, to issue their GEMMs (one named barrier
 // each), so one warpgroup's softmax runs while the tensor cores work through another's GEMMs.
 // Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
@@ -88,6 +94,11 @@ struct FwdSm90Params {
   FastDivisor blocks_m_div, nheads_div, group_div;  // for the tile index's and the kv head's divisions
 };
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+
+// Where a consumer issues and waits for P V (the comment at the top of this file): beside the next
+// block's S = Q K^T, finished where ptxas puts it (kScheduleOverlap) or after that block's softmax
+// (kScheduleOverlapPV); or in a turn of its own, finished before that S is issued (kScheduleSerial).
+enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSerial = 2 };
 
 // Where the epilogue puts O before its 16-byte row stores: a tile of its own, Q's tile (when shared
 // memory has no room for another; Q is then released only after the stores), or nowhere: stored
@@ -198,10 +209,12 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
-          bool kOverlapPV, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
+          int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
           bool kVPreTransposed, int kQBuffers>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
+  constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
+  constexpr int kTurnsPerBlock = kSerial ? 2 : 1;  // ping-pong turns: S and P V together, or one each
   // e4m3 with V as the caller passed it: producer warps 1..3 transpose each block in shared memory.
   // With kVPreTransposed, v_map describes V^T (cuda_src/transpose_v_fp8.cu) and TMA loads it.
   constexpr bool kTranspose = kFp8 && !kVPreTransposed;
@@ -231,8 +244,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // no row's maximum rose by more than 2^8. 16-bit only (e4m3's P has no room above its offset's
   // 2^8), and only without ping-pong: measured +1-4% at head dims 64 and 256, but -2 to -5% at
   // 128, where ping-pong already hides the multiplies behind the other warpgroup's GEMMs and the
-  // vote lands on the critical path (benchmarks/NOTES-sm90.md, version 20).
-  constexpr int kStaleMax = !kFp8 && !kPingPong ? 8 : 0;
+  // vote lands on the critical path (benchmarks/NOTES-sm90.md, version 20). The serial schedule
+  // hides them behind one GEMM only: +0.6-0.9% there at head dim 256 (version 38).
+  constexpr int kStaleMax = !kFp8 && (!kPingPong || kSerial) ? 8 : 0;
   // Chains of a thread's row maximum (online_softmax_max): four in e4m3 at head dim 256, measured
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
@@ -254,6 +268,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
   static_assert(kFp8 ? kOStage != kOStageInQ : kOStage != kOStageDirect, "16-bit O is staged; e4m3's O outsizes Q");
   static_assert(kStages >= 1, "at least one K/V slot");
+  static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");
   static_assert(kQBuffers == 1 || (kQBuffers == 2 && kOStage != kOStageInQ), "two Q buffers, or one (and O may be staged in it)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -513,10 +528,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned long long desc_v = smem_descriptor_sw128(sV, kFp8 ? 16 : kBlockN * 128, 1024);
   // Ping-pong: warpgroup wg issues its GEMMs after syncing on its own turn barrier (with the
   // arrival of warpgroup wg - 1) and then hands the turn to wg + 1. Every consumer has the same
-  // number of turns in a tile (blocks + 1), and the round runs on across tiles: warpgroup 0 takes
-  // the first turn of the kernel, and the first turn of each tile once the last warpgroup has taken
-  // its last turn of the tile before, so that one's epilogue overlaps the other's GEMMs; at the end
-  // warpgroup 0 takes the hand-over still pending.
+  // number of turns in a tile (blocks + 1: S alone, S beside P V, P V alone; serial, two a block),
+  // and the round runs on across tiles: warpgroup 0 takes the first turn of the kernel, and the
+  // first turn of each tile once the last warpgroup has taken its last turn of the tile before, so
+  // that one's epilogue overlaps the other's GEMMs; at the end warpgroup 0 takes the hand-over
+  // still pending.
   auto turn_begin = [&]() {
     if constexpr (kPingPong) named_barrier_sync(kSchedulerBarrier + wg, 256);
   };
@@ -684,12 +700,17 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_wait(v_full(slot), parity);
         mbarrier_arrive_warp(v_empty(slot));
         progress += kItStep;
-        turn_begin();  // one turn per block, as if it were computed
-        turn_end();
+#pragma unroll
+        for (int turn = 0; turn < kTurnsPerBlock; ++turn) {  // a block's turns, as if it were computed
+          turn_begin();
+          turn_end();
+        }
       }
-      if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks
-        turn_begin();
-        turn_end();
+      if (n_top <= t.kb.n_min) {  // no block for this warpgroup: still one turn more than blocks (serial: none)
+        if constexpr (!kSerial) {
+          turn_begin();
+          turn_end();
+        }
         if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));
       } else {
         // First block: S and softmax (O is still zero: not rescaled after it, or by its correction, 0).
@@ -705,13 +726,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_arrive_warp(k_empty(it() % kStages));
         float correction[2];
         softmax(n_top - 1, k_descale_top, correction, half_top);
-        // The end of P V(n + 1): wait for it, release its V slot (v_slot < 0: none), rescale O (when
-        // `rescale_o`) and pack block n's P. At the bottom of iteration n, or (kOverlapPV) at the
-        // top of iteration n - 1 (see the top of this file).
-        auto finish_pv = [&](int v_slot, bool rescale_o) {
+        // The end of P V(n + 1): wait for it and release its V slot (v_slot < 0: none); then
+        // (rescale_and_pack) rescale O (when `rescale_o`) and pack block n's P. Both at the bottom of
+        // iteration n, or (kOverlapPV) at the top of iteration n - 1 (see the top of this file);
+        // serial: the wait before S(n) is issued, the rest after block n's softmax.
+        auto pv_done = [&](int v_slot) {
           wgmma_wait<0>();
           pin_registers(o);
           if (v_slot >= 0) mbarrier_arrive_warp(v_empty(v_slot));
+        };
+        auto rescale_and_pack = [&](bool rescale_o) {
           if (rescale_o) {
 #pragma unroll
             for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
@@ -719,6 +743,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           pack_p();
           pin_registers(o);  // written before the next wgmma's fence, not sunk past it
           pin_registers(pa);
+        };
+        auto finish_pv = [&](int v_slot, bool rescale_o) {
+          pv_done(v_slot);
+          rescale_and_pack(rescale_o);
         };
         // O's rescale, warp-uniform: with a stale maximum, skipped while no row of the warp moved.
         // Not after the first block, where O is zero (kOverlapPV multiplies it, by 0: no branch).
@@ -738,15 +766,29 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
           progress += kItStep;
           const int slot = it() % kStages;
-          mbarrier_wait(k_full(slot), (it() / kStages) & 1);
-          mbarrier_wait(v_full(prev), prev_parity);
-          turn_begin();
-          wgmma_fence();  // O was rescaled and P written by ordinary instructions
-          issue_qk(slot);
-          issue_pv(prev);
-          turn_end();
+          if constexpr (kSerial) {
+            mbarrier_wait(v_full(prev), prev_parity);
+            turn_begin();
+            wgmma_fence();  // O was rescaled and P written by ordinary instructions
+            issue_pv(prev);
+            turn_end();
+            pv_done(prev);  // P is dead before S is written
+            mbarrier_wait(k_full(slot), (it() / kStages) & 1);
+            turn_begin();
+            wgmma_fence();
+            issue_qk(slot);
+            turn_end();
+          } else {
+            mbarrier_wait(k_full(slot), (it() / kStages) & 1);
+            mbarrier_wait(v_full(prev), prev_parity);
+            turn_begin();
+            wgmma_fence();  // O was rescaled and P written by ordinary instructions
+            issue_qk(slot);
+            issue_pv(prev);
+            turn_end();
+          }
           if constexpr (kOverlapPV) pv_slot = prev;
-          wgmma_wait<1>();  // S(n) is done; P V of the block before may still run
+          wgmma_wait<kSerial ? 0 : 1>();  // S(n) is done; P V of the block before may still run (not serial)
           pin_registers(s);
           mbarrier_arrive_warp(k_empty(slot));
           softmax(n, k_descale, correction);
@@ -759,7 +801,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             o_descale = v_descale;
           }
           rescale = kStaleMax == 0 || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f);
-          if constexpr (!kOverlapPV) finish_pv(prev, rescale);
+          if constexpr (kSerial) {
+            rescale_and_pack(rescale);
+          } else if constexpr (!kOverlapPV) {
+            finish_pv(prev, rescale);
+          }
         }
         if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
         const int last = it() % kStages;

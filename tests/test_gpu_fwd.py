@@ -128,23 +128,38 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
 
 
+# Rows the tile table does not hold, which benchmarks/bench_fwd.py --sm90-tiles can time: the serial
+# schedule with and without ping-pong, with one K/V stage and with two, at two and three consumers.
+OTHER_TILE_ROWS = ((64, (3, 128, 2, True, "serial")), (128, (2, 128, 2, False, "serial")),
+                   (256, (2, 128, 1, True, "serial")), (256, (2, 80, 2, True, "serial")))
+
+
 def _tile_row_cases():
-    """(headdim, seqlen_k, the row's tiles) on both sides of every bound of fwd_sm90's tile table: the
-    hypothesis draws above stop at 2048 keys, where the first bound is."""
+    """(headdim, seqlen_k, the row's tiles, whether they override the table) on both sides of every
+    bound of fwd_sm90's tile table (the hypothesis draws above stop at 2048 keys, where the first bound
+    is), and OTHER_TILE_ROWS."""
     from cuflash.kernels import fwd_sm90
 
     cases = []
     for headdim, rows in fwd_sm90.TILES.items():
         for (bound, tiles), (_, after) in zip(rows, rows[1:]):
-            cases += [(headdim, bound, tiles), (headdim, bound + 1, after), (headdim, 2 * bound + 77, after)]
-    return cases
+            cases += [(headdim, bound, tiles, False), (headdim, bound + 1, after, False),
+                      (headdim, 2 * bound + 77, after, False)]
+    return cases + [(headdim, 1000, tiles, True) for headdim, tiles in OTHER_TILE_ROWS]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="fwd_sm90 needs compute capability 9.0")
-@pytest.mark.parametrize("headdim, seqlen_k, tiles", _tile_row_cases())
+@pytest.mark.parametrize("headdim, seqlen_k, tiles, override", _tile_row_cases())
 @pytest.mark.parametrize("causal, varlen", [(False, False), (True, False), (True, True)])
-def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, causal, varlen):
+def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, override, causal, varlen, monkeypatch,
+                                               request):
+    from cuflash.kernels import fwd_sm90
+
+    if override:  # and no plan made with the table (or, afterwards, with the override) is reused
+        monkeypatch.setattr(fwd_sm90, "tiles_override", {headdim: tiles})
+        dispatch.clear_plans()
+        request.addfinalizer(dispatch.clear_plans)
     g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
     seqlen_q = 300 if causal else 200  # causal: bottom-right aligned, the rows see the last keys
     q = torch.randn(1, seqlen_q, 4, headdim, device="cuda", generator=g).to(torch.bfloat16)
@@ -162,7 +177,7 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, causal,
         inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     family, variant = dispatch.plan(problem, {n: arrays.device_array(x) for n, x in inputs.items()})
     assert family.name == "fwd_sm90"
-    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.overlap_pv) == tiles
+    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.schedule) == tiles
     if varlen:
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (4, q.shape[0]), torch.bfloat16)
         out, lse, q, k, v = out[37:][None], lse[:, 37:][None], q[37:][None], k[51:][None], v[51:][None]

@@ -103,11 +103,14 @@ def test_fwd_sm90_main_loops_keep_their_counters_uniform(report):
     """The consumers' slot, phase and descriptor arithmetic stays in uniform registers: at most a few
     R2UR between the first and the last wgmma. When ptxas loses the counters' uniformity (it did, for
     a change of code shape, benchmarks/NOTES-sm90.md version 13) there are 35-86, and the kernels lose
-    2-7% of their speed."""
+    2-7% of their speed. The serial schedule at head dim 256 has 25: 16 at the tile's last P V (once a
+    tile) and 9 in the loop's S = Q K^T, whose 16 k steps' descriptors (64 uniform registers) ptxas
+    keeps partly in ordinary ones; measured as it is (NOTES-sm90.md, version 38)."""
     arch, _, rows = report
     for r in rows:
         if r["family"] in ("fwd_sm90", "fwd_fp8_sm90", "bwd_sm90"):
-            assert r["r2ur_between_gmmas"] <= 16, f"{r['uri']}: {r['r2ur_between_gmmas']} R2UR in its main loops"
+            bound = 32 if "schedule=serial" in r["uri"] else 16
+            assert r["r2ur_between_gmmas"] <= bound, f"{r['uri']}: {r['r2ur_between_gmmas']} R2UR in its main loops"
 
 
 def test_fwd_sm90_register_split_fits_the_register_file():

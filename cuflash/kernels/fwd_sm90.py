@@ -31,7 +31,7 @@ WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
 FP8_WGMMA_N = (64, 128, 256)
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong,
-# overlap_pv)):
+# schedule)):
 # the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
 # of 64 query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
 # bounded by those registers (O: headdim / 2, S: block_n / 2, P: block_n / 4 per thread; the
@@ -39,17 +39,28 @@ FP8_WGMMA_N = (64, 128, 256)
 # and O: block_m rows, K and V: block_n rows per stage; a second Q buffer where it still fits,
 # FwdSm90Variant.q_buffers). Long sequences take the widest block_n that
 # fits; shorter ones a narrower one (fewer masked columns, less pipeline fill per tile). Head dim 128
-# from 1k to 4k keys: three consumers of 80 keys (each K/V block serves 192 rows; version 27).
-# pingpong: the consumers take turns issuing GEMMs. overlap_pv: where a consumer finishes P V of
-# the block before (the kernel's kOverlapPV): after its softmax of the next block (True), or where
-# ptxas puts it, before that softmax's exponentials (False). Measured on H100: True +1.5-3% at head
-# dim 128 from 4k keys, -1 to -2.5% at 128 up to 2k non-causal and at 192, -2-3% at 64 and in
-# e4m3. Measurements: benchmarks/NOTES-sm90.md.
+# from 1k to 4k keys: three consumers of 80 keys (each K/V block serves 192 rows; version 27). Head
+# dim 256 up to 512 keys: 128-key blocks, one stage, the serial schedule (512 keys are 4 blocks of
+# 128, against 7 of 80 whose last has 32 keys; H100: +3% non-causal at 512, causal within 0.5%;
+# from 1k 3-12% below the 80-key overlap; version 38).
+# pingpong: the consumers take turns issuing GEMMs. schedule (SCHEDULES, the kernel's Schedule):
+# where a consumer issues and finishes P V of the block before. "overlap": issued beside the next
+# block's S = Q K^T and finished where ptxas puts it, before that softmax's exponentials;
+# "overlap_pv": finished after that softmax (measured on H100: +1.5-3% at head dim 128 from 4k keys,
+# -1 to -2.5% at 128 up to 2k non-causal and at 192, -2-3% at 64 and in e4m3); "serial": issued in a
+# ping-pong turn of its own and finished before that S is issued, so that S, P and O are never all
+# live (128-key blocks at head dim 256), at the cost of a softmax that must hide behind one GEMM of
+# the other consumer's instead of two (80-key blocks at 256 measured 5-8% below the overlap).
+# Measurements: benchmarks/NOTES-sm90.md.
+SCHEDULE_CXX = {"overlap": "cuflash::kScheduleOverlap", "overlap_pv": "cuflash::kScheduleOverlapPV",
+                "serial": "cuflash::kScheduleSerial"}
+SCHEDULES = tuple(SCHEDULE_CXX)  # in the order of the kernel's Schedule
 TILES = {
-    64: ((None, (3, 128, 2, False, False)),),
-    128: ((1024, (2, 128, 2, True, False)), (4096, (3, 80, 2, False, False)), (None, (2, 192, 2, True, True))),
-    192: ((None, (2, 112, 2, True, False)),),
-    256: ((None, (2, 80, 2, False, False)),),
+    64: ((None, (3, 128, 2, False, "overlap")),),
+    128: ((1024, (2, 128, 2, True, "overlap")), (4096, (3, 80, 2, False, "overlap")),
+          (None, (2, 192, 2, True, "overlap_pv"))),
+    192: ((None, (2, 112, 2, True, "overlap")),),
+    256: ((512, (2, 128, 1, True, "serial")), (None, (2, 80, 2, False, "overlap"))),
 }
 # Per compiled head dim, (unmasked, masked): whether each consumer warpgroup passes by the key
 # blocks its own 64 rows do not see (above a causal or window diagonal, or all of them for rows past
@@ -61,10 +72,10 @@ TILES = {
 PASS_BY = {64: (True, True), 128: (True, True), 192: (False, True), 256: (True, True)}
 # Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
 # narrow blocks at 128), where nothing spills.
-SOFTCAP_TILES = {64: (2, 128, 3, True, False), 128: (2, 128, 2, True, False), 192: (2, 112, 2, True, False),
-                 256: (2, 80, 2, False, False)}
+SOFTCAP_TILES = {64: (2, 128, 3, True, "overlap"), 128: (2, 128, 2, True, "overlap"),
+                 192: (2, 112, 2, True, "overlap"), 256: (2, 80, 2, False, "overlap")}
 # e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
-# pingpong, overlap_pv, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
+# pingpong, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
 # any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys.
 # v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
@@ -80,9 +91,9 @@ SOFTCAP_TILES = {64: (2, 128, 3, True, False), 128: (2, 128, 2, True, False), 19
 # as 16-bit ones against the same softmax, and taking turns for them cost more than it hid); at 64
 # (half-filled 128-byte rows) three consumer warpgroups (160 registers each, the producer 32)
 # measured 1.02-1.15x bf16 against 0.80-0.93x with two.
-FP8_TILES = {64: ((None, (3, 128, 2, False, False, False)),),
-             128: ((None, (2, 128, 3, False, False, False)),),
-             256: ((512, (2, 128, 2, True, False, False)), (None, (2, 128, 2, True, False, True)))}
+FP8_TILES = {64: ((None, (3, 128, 2, False, "overlap", False)),),
+             128: ((None, (2, 128, 3, False, "overlap", False)),),
+             256: ((512, (2, 128, 2, True, "overlap", False)), (None, (2, 128, 2, True, "overlap", True)))}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -91,8 +102,8 @@ FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
 # Set by benchmarks/bench_fwd.py --sm90-tiles (--fp8-tiles) before the first call, to time other
 # table rows (dispatch remembers each choice); None in normal use.
-tiles_override: dict[int, tuple[int, int, int, bool, bool]] | None = None
-fp8_tiles_override: dict[int, tuple[int, int, int, bool, bool, bool]] | None = None
+tiles_override: dict[int, tuple[int, int, int, bool, str]] | None = None
+fp8_tiles_override: dict[int, tuple[int, int, int, bool, str, bool]] | None = None
 # The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
 # taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
 # --sm90-grid tiles, to compare the two).
@@ -153,7 +164,7 @@ class FwdSm90Variant(Variant):
     block_n: int
     stages: int
     pingpong: bool  # consumers take turns issuing their GEMMs
-    overlap_pv: bool  # P V of a block is finished after the next block's softmax (TILES)
+    schedule: str  # where P V is issued and finished (SCHEDULES, TILES)
     varlen: bool
     softcap: bool
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
@@ -174,6 +185,8 @@ class FwdSm90Variant(Variant):
             raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"fwd_sm90: schedule {self.schedule!r} is not one of {SCHEDULES}")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
         if self.block_n not in WGMMA_N or self.stages < 1:
@@ -217,7 +230,7 @@ class FwdSm90Variant(Variant):
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
-                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), cxx_bool(self.overlap_pv),
+                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), SCHEDULE_CXX[self.schedule],
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), str(self.q_buffers))
@@ -258,7 +271,7 @@ def _rows(headdim: int, softcap: bool):
     return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
 
-def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool, bool]:
+def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool, str]:
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
@@ -332,7 +345,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def _fp8_tiles(problem) -> tuple[int, int, int, bool, bool, bool]:
+def _fp8_tiles(problem) -> tuple[int, int, int, bool, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     if fp8_tiles_override and headdim in fp8_tiles_override:
