@@ -499,6 +499,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll 1  // unrolled, this loop no longer fits the producer's 24 registers
       for (int n = t.kb.n_max - 1; n >= t.kb.n_min; --n) load_kv(n);
       index = next_tile();
+      // One Q buffer: the next tile's Q loads only once this tile's epilogue is done with it (the
+      // consumers' wait for it was 13% of the warp samples at head dim 256, 512 keys). Drawn now
+      // (this tile's last K/V load issued), its rows are prefetched into L2 meanwhile: +1.5% there
+      // (drawn a tile earlier, the schedule lost its balance: -16% causal; NOTES-sm90.md version
+      // 39). Dense only: varlen's sequence bounds would not fit the producer's registers.
+      if constexpr (kQBuffers == 1 && !kVarlen) {
+        if (leader && index < p.num_tiles) {
+          const Tile tn = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
+#pragma unroll
+          for (int a = 0; a < kAtoms; ++a) tma_prefetch_4d(&p.q_map, a * kAtomElems, tn.h, tn.m0, tn.b);
+        }
+      }
     }
     // Every CTA has drawn its last index: the last one out resets the pair for the next launch.
     if (leader) {

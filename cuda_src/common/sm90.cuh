@@ -148,6 +148,12 @@ __device__ __forceinline__ void tma_load_tokens(unsigned dst, const TmaMap* map,
     tma_load_4d(dst, map, bar, col, head, row, batch);
   }
 }
+// The same box into L2 only (no shared memory, no barrier): a hint that a later load will want it.
+__device__ __forceinline__ void tma_prefetch_4d(const TmaMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(map), "r"(c0),
+               "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
 
 // dst[i] += src[i] over `bytes` / 4 floats, shared memory to global, by the async proxy: the
 // issuing thread's bulk async-group (commit, then wait .read before reusing src, plain wait before
