@@ -100,11 +100,15 @@ static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_P
 // (kScheduleOverlapPV); or in a turn of its own, finished before that S is issued (kScheduleSerial).
 enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSerial = 2 };
 
-// Where the epilogue puts O before its 16-byte row stores: a tile of its own, Q's tile (when shared
-// memory has no room for another; Q is then released only after the stores), or nowhere: stored
-// straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head dim
-// 256, where the 16-bit O is twice Q's size and the V staging slots take the room).
-enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2 };
+// Where the epilogue puts O before its 16-byte row stores: a tile of its own; the V slot of the
+// tile's last key block (when shared memory has no room for a tile of its own and the slot is as
+// large: 16 bits, kBlockN >= kBlockM; every consumer's last P V must be done before any writes
+// there, and the slot is released after the stores); Q's tile (when neither fits; Q is then
+// released only after the stores, and the next tile's Q loads after the epilogue); or nowhere:
+// stored straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head
+// dim 256, where the 16-bit O is twice Q's size and the V staging slots take the room; and the
+// tiles without key blocks of kOStageInV, whose O is zero and whose slot is another tile's).
+enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2, kOStageInV = 3 };
 
 // e4m3 (FP8): both wgmma operands must be K-major, and for O += P V the K dimension is the keys,
 // so V is transposed: in shared memory (TMA brings each V block into a staging slot, warps 1..3 of
@@ -123,6 +127,7 @@ constexpr int kTransposeWarps = 3;
 constexpr int kSchedulerBarrier = 1;  // named barriers 1..3: the ping-pong turn of each consumer
 constexpr int kWarpgroupBarrier = 4;  // named barriers 4..6: one consumer's own (O staging, tile start)
 constexpr int kTileBarrier = 7;       // without ping-pong, the consumers start each tile together
+constexpr int kOInVBarrier = 8;       // kOStageInV: every consumer's last P V is done before O's staging
 
 // The dynamic tile scheduler's counters: {tiles handed out beyond the first gridDim.x, CTAs done}.
 // Zero when the module loads; the last CTA of a launch to finish resets its pair to zero, so launches
@@ -266,7 +271,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(!kFp8 || kBlockN == 128, "e4m3: V^T is one 128-key swizzle row; descales come per 128 keys");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
-  static_assert(kFp8 ? kOStage != kOStageInQ : kOStage != kOStageDirect, "16-bit O is staged; e4m3's O outsizes Q");
+  static_assert(kFp8 ? kOStage == kOStageOwn || kOStage == kOStageDirect : kOStage != kOStageDirect,
+                "16-bit O is staged; e4m3's O outsizes Q and its V^T slot");
+  static_assert(kOStage != kOStageInV || kBlockN >= kBlockM, "O staged in a V slot fits there");
   static_assert(kStages >= 1, "at least one K/V slot");
   static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");
   static_assert(kQBuffers == 1 || (kQBuffers == 2 && kOStage != kOStageInQ), "two Q buffers, or one (and O may be staged in it)");
@@ -710,7 +717,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         mbarrier_wait(k_full(slot), parity);
         mbarrier_arrive_warp(k_empty(slot));
         mbarrier_wait(v_full(slot), parity);
-        mbarrier_arrive_warp(v_empty(slot));
+        if (kOStage != kOStageInV || n > t.kb.n_min) mbarrier_arrive_warp(v_empty(slot));  // (InV: after O's stores)
         progress += kItStep;
 #pragma unroll
         for (int turn = 0; turn < kTurnsPerBlock; ++turn) {  // a block's turns, as if it were computed
@@ -829,7 +836,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_end();
         wgmma_wait<0>();
         pin_registers(o);
-        mbarrier_arrive_warp(v_empty(last));
+        if constexpr (kOStage != kOStageInV) mbarrier_arrive_warp(v_empty(last));  // (InV: after O's stores)
         if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));  // every S = Q K^T of this warpgroup is done: the next Q may load
       }
     }
@@ -837,7 +844,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // ------------------------------------------------------------------ epilogue
     // O / rowsum (times v's descale, e4m3) in 16 bits into this warpgroup's 64 rows of the staging
     // tile (Q's 16-bit swizzled layout: the 8 rows a warp writes at once land in 8 different 16-byte
-    // bank groups), then out in 16-byte row chunks; or (kOStageDirect) straight out. The epilogue's
+    // bank groups), then out in 16-byte row chunks (kOStageInV's tiles without key blocks: zeros,
+    // nothing staged); or (kOStageDirect) straight out. The epilogue's
     // addresses are formed here from opaque copies of the thread and tile indices: otherwise the
     // compiler hoists them out of the tile loop and, at head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
@@ -847,7 +855,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     TOut* o_base =
         static_cast<TOut*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
     float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
-    const unsigned stage = sO + e_wg * 64 * 128;
+    // kOStageInV: the V slot of the tile's last block, once every consumer's P V has read it.
+    const bool in_v = kOStage == kOStageInV && te.kb.n_max > te.kb.n_min;
+    const bool zero_tile = kOStage == kOStageInV && !in_v;  // its O is zero, and that slot another tile's
+    const int v_last = (it() - 1) % kStages;
+    if (in_v) named_barrier_sync(kOInVBarrier, 128 * kConsumers);
+    const unsigned stage = (kOStage == kOStageInV ? sV + v_last * kVBytes : sO) + e_wg * 64 * 128;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float total = quad_sum(row_sum[hf]);
@@ -862,7 +875,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           if (te.has_row(row) && col < p.headdim) {  // the head dim is even: col + 1 is in too
             *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed;
           }
-        } else {
+        } else if (!zero_tile) {
           st_shared_b32(stage + (nt / 8) * kBlockM * 128 + sw128_offset(r, nt % 8) + (e_lane % 4) * 4, packed);
         }
       }
@@ -889,7 +902,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         for (unsigned i = 0; i < 64 / kRowsPerPass; ++i) {
           const unsigned r = r0 + i * kRowsPerPass;
           if (te.has_row(row0 + static_cast<int>(i * kRowsPerPass))) {
-            st_global_v4(dst + i * kRowsPerPass * p.o_stride_s, ld_shared_v4(src + sw128_offset(r, c % 8)));
+            st_global_v4(dst + i * kRowsPerPass * p.o_stride_s,
+                         zero_tile ? make_uint4(0u, 0u, 0u, 0u) : ld_shared_v4(src + sw128_offset(r, c % 8)));
           }
         }
       }
@@ -898,6 +912,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       // This warp's reads of the staged O are done: TMA may write the next Q over it.
       fence_proxy_async_shared();
       mbarrier_arrive_warp(q_empty(0));
+    } else if (in_v) {  // likewise the next V over this slot
+      fence_proxy_async_shared();
+      mbarrier_arrive_warp(v_empty(v_last));
     } else if constexpr (kOStage == kOStageOwn) {
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);  // reads done before the next tile's writes
     }

@@ -115,7 +115,8 @@ TILE_COUNTERS = 4096  # kTileCounters in the kernel
 
 
 # Where the epilogue stages O (FwdSm90Variant.o_stage), as the kernel's OStage spells it.
-O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "direct": "cuflash::kOStageDirect"}
+O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "direct": "cuflash::kOStageDirect",
+               "in_v": "cuflash::kOStageInV"}
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str,
@@ -210,11 +211,15 @@ class FwdSm90Variant(Variant):
 
     @cached_property  # read at every launch
     def o_stage(self) -> str:
-        """O is staged in a tile of its own when shared memory has room; otherwise in Q's tile (16
-        bits) or not at all (e4m3, whose 16-bit O is twice Q's size)."""
+        """O is staged in a tile of its own when shared memory has room; otherwise (16 bits) in the
+        last key block's V slot where that is as large (block_n >= block_m), so that Q is free for
+        the next tile before the epilogue, or else in Q's tile; e4m3's 16-bit O, twice Q's size, is
+        not staged."""
         if self._smem_bytes("own") <= SMEM_LIMIT:
             return "own"
-        return "direct" if self.dtype == FP8 else "in_q"
+        if self.dtype == FP8:
+            return "direct"
+        return "in_v" if self.block_n >= self.block_m else "in_q"
 
     @cached_property
     def q_buffers(self) -> int:
