@@ -28,13 +28,14 @@ def tile_annotation(args):
     return annotate
 
 
-SM90_FIELDS = ("consumers", "block_n", "stages", "pingpong", "schedule")  # fwd_sm90.TILES' rows
+SM90_FIELDS = ("consumers", "block_n", "stages", "sync", "schedule")  # fwd_sm90.TILES' rows
 FP8_FIELDS = SM90_FIELDS + ("v_pretransposed",)  # fwd_sm90.FP8_TILES' rows
 
 
 def _tile_rows(text: str, fields: tuple[str, ...], optional: int) -> dict[int, tuple]:
-    """headdim:f1 x f2 x ..., comma-separated, as table rows: three ints, pingpong (0/1), the schedule
-    (its index in fwd_sm90.SCHEDULES), then flags (0/1); the last `optional` fields may be left out (0)."""
+    """headdim:f1 x f2 x ..., comma-separated, as table rows: three ints, the sync and the schedule
+    (indices into fwd_sm90.SYNCS and SCHEDULES), then flags (0/1); the last `optional` fields may be
+    left out (0)."""
     rows = {}
     for item in text.split(","):
         headdim, given = item.split(":")
@@ -43,20 +44,21 @@ def _tile_rows(text: str, fields: tuple[str, ...], optional: int) -> dict[int, t
             raise argparse.ArgumentTypeError(f"{item!r}: expected {' x '.join(fields)}"
                                              + (f" (the last {optional} optional)" if optional else ""))
         values += [0] * (len(fields) - len(values))
-        if not 0 <= values[4] < len(fwd_sm90.SCHEDULES):
-            raise argparse.ArgumentTypeError(f"{item!r}: the schedule is an index into {fwd_sm90.SCHEDULES}")
-        rows[int(headdim)] = (*values[:3], bool(values[3]), fwd_sm90.SCHEDULES[values[4]],
+        for value, names in ((values[3], fwd_sm90.SYNCS), (values[4], fwd_sm90.SCHEDULES)):
+            if not 0 <= value < len(names):
+                raise argparse.ArgumentTypeError(f"{item!r}: {value} is not an index into {names}")
+        rows[int(headdim)] = (*values[:3], fwd_sm90.SYNCS[values[3]], fwd_sm90.SCHEDULES[values[4]],
                               *(bool(x) for x in values[5:]))
     return rows
 
 
-def sm90_tiles(text: str) -> dict[int, tuple[int, int, int, bool, str]]:
-    """--sm90-tiles: headdim:consumers x block_n x stages x pingpong [x schedule], comma-separated."""
+def sm90_tiles(text: str) -> dict[int, tuple[int, int, int, str, str]]:
+    """--sm90-tiles: headdim:consumers x block_n x stages x sync [x schedule], comma-separated."""
     return _tile_rows(text, SM90_FIELDS, optional=1)
 
 
-def fp8_tiles(text: str) -> dict[int, tuple[int, int, int, bool, str, bool]]:
-    """--fp8-tiles: headdim:consumers x block_n x stages x pingpong x schedule x v_pretransposed."""
+def fp8_tiles(text: str) -> dict[int, tuple[int, int, int, str, str, bool]]:
+    """--fp8-tiles: headdim:consumers x block_n x stages x sync x schedule x v_pretransposed."""
     return _tile_rows(text, FP8_FIELDS, optional=0)
 
 
@@ -78,10 +80,11 @@ def main(argv=None) -> int:
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
                                         for hd, t in (item.split(":") for item in s.split(","))})
     parser.add_argument("--sm90-tiles", default=None, help="fwd_sm90 tiles to time instead of the table's, "
-                        "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x pingpong x schedule, "
-                        "an index into fwd_sm90.SCHEDULES that may be left out: 0)", type=sm90_tiles)
+                        "e.g. 64:3x128x2x1x0 (headdim:consumers x block_n x stages x sync x schedule: sync an "
+                        "index into fwd_sm90.SYNCS, schedule into SCHEDULES, which may be left out: 0)",
+                        type=sm90_tiles)
     parser.add_argument("--fp8-tiles", default=None, help="fwd_fp8_sm90 tiles to time instead of the table's, "
-                        "e.g. 256:2x128x3x1x0x1 (headdim:consumers x block_n x stages x pingpong x schedule x "
+                        "e.g. 256:2x128x3x1x0x1 (headdim:consumers x block_n x stages x sync x schedule x "
                         "v_pretransposed)", type=fp8_tiles)
     parser.add_argument("--sm90-grid", choices=("sms", "tiles"), default="sms",
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")

@@ -41,8 +41,9 @@
 // written and 128-key blocks fit. The tensor cores stay busy through the other consumers' GEMMs,
 // issued in the turns between (ping-pong): a warpgroup waits for its PV(j-1) while another's PV
 // runs, and does its softmax while another's S runs, so the GEMMs must outlast a softmax.
-// With kPingPong the consumers take turns, round robin, to issue their GEMMs (one named barrier
-// each), so one warpgroup's softmax runs while the tensor cores work through another's GEMMs.
+// With ping-pong (kConsumerSync) the consumers take turns, round robin, to issue their GEMMs (one
+// named barrier each), so one warpgroup's softmax runs while the tensor cores work through
+// another's GEMMs; otherwise they start each tile together, or run free.
 // Key blocks are walked from last to first, so masked blocks (causal diagonal, key tail) come
 // first; fully masked blocks are never loaded. Shared-memory tiles are [head-dim atoms][rows][128
 // bytes] (an atom is 64 16-bit or 128 e4m3 elements; e4m3's head dim 64 fills half of one), TMA's
@@ -94,6 +95,11 @@ struct FwdSm90Params {
   FastDivisor blocks_m_div, nheads_div, group_div;  // for the tile index's and the kv head's divisions
 };
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+
+// How the consumer warpgroups keep in step: they start each tile together (kSyncTile), take turns
+// issuing their GEMMs (kSyncPingPong), or neither (kSyncFree; each still reads its tile from Q's
+// slot, and the K/V ring's barriers bound how far apart they drift).
+enum ConsumerSync : int { kSyncTile = 0, kSyncPingPong = 1, kSyncFree = 2 };
 
 // Where a consumer issues and waits for P V (the comment at the top of this file): beside the next
 // block's S = Q K^T, finished where ptxas puts it (kScheduleOverlap) or after that block's softmax
@@ -213,7 +219,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 }
 
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
-template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, bool kPingPong,
+template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
           bool kVPreTransposed, int kQBuffers>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
@@ -225,9 +231,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr bool kTranspose = kFp8 && !kVPreTransposed;
   constexpr int kBlockM = 64 * kConsumers;       // query rows per tile
   constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that release a buffer: one per consumer warp
-  // Consumers that do not take turns start each tile together: left to drift apart over the K/V
-  // ring, three consumers measured 3-10% slower (benchmarks/NOTES-sm90.md, version 31).
-  constexpr bool kTileSync = !kPingPong;
+  // Consumers that do not take turns start each tile together, or run free: a table choice per row
+  // (free three consumers measured 3-10% slower in version 31, before a tile's index travelled
+  // with its Q; since then +4-7% at head dim 64 up to 1k keys and -2 to -3% beyond: version 41).
+  constexpr bool kPingPong = kConsumerSync == kSyncPingPong, kTileSync = kConsumerSync == kSyncTile;
   using Split = RegisterSplit<kConsumers>;
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
                 "the registers the launch gives the CTA");
@@ -276,6 +283,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kOStage != kOStageInV || kBlockN >= kBlockM, "O staged in a V slot fits there");
   static_assert(kStages >= 1, "at least one K/V slot");
   static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");
+  static_assert(kConsumerSync >= kSyncTile && kConsumerSync <= kSyncFree, "a ConsumerSync");
   static_assert(kQBuffers == 1 || (kQBuffers == 2 && kOStage != kOStageInQ), "two Q buffers, or one (and O may be staged in it)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -570,8 +578,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
   }
   for (;;) {
-    // A tile starts at a barrier: all the consumers' without ping-pong (kTileSync), else the
-    // warpgroup's own. That one orders nothing, but ptxas takes a bar.sync as a point where the warp
+    // A tile starts at a barrier: all the consumers' (kTileSync), else the warpgroup's own. That one orders nothing, but ptxas takes a bar.sync as a point where the warp
     // is converged: without it, it kept the tile's values (slots, phases, descriptors) out of
     // uniform registers, 52-93 R2UR between the GMMAs of the ping-pong variants.
     if constexpr (kTileSync) {

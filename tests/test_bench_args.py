@@ -17,31 +17,31 @@ def _bench_fwd():
 
 
 def test_sm90_tiles_rows_match_the_table_layout():
-    rows = _bench_fwd().sm90_tiles("128:3x80x2x0x1,64:3x128x2x0,256:2x128x1x1x2")
-    assert rows == {128: (3, 80, 2, False, "overlap_pv"), 64: (3, 128, 2, False, "overlap"),
-                    256: (2, 128, 1, True, "serial")}
+    rows = _bench_fwd().sm90_tiles("128:3x80x2x0x1,64:3x128x2x2,256:2x128x1x1x2")
+    assert rows == {128: (3, 80, 2, "tile", "overlap_pv"), 64: (3, 128, 2, "free", "overlap"),
+                    256: (2, 128, 1, "pingpong", "serial")}
     for headdim, tiles in rows.items():
         # the same positions as a TILES row: a variant built from it names the fields it was given
         variant = fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", headdim, *tiles, False, False, True, False, False)
         variant.check()
-        assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.schedule) == tiles
+        assert (variant.consumers, variant.block_n, variant.stages, variant.sync, variant.schedule) == tiles
     assert all(len(tiles) == 5 for tiles in fwd_sm90.SOFTCAP_TILES.values())
     assert all(len(tiles) == 5 for rows in fwd_sm90.TILES.values() for _, tiles in rows)
 
 
 def test_fp8_tiles_rows_match_the_table_layout():
     rows = _bench_fwd().fp8_tiles("256:2x128x3x1x0x1,64:3x128x2x0x0x0")
-    assert rows == {256: (2, 128, 3, True, "overlap", True), 64: (3, 128, 2, False, "overlap", False)}
+    assert rows == {256: (2, 128, 3, "pingpong", "overlap", True), 64: (3, 128, 2, "tile", "overlap", False)}
     for headdim, tiles in rows.items():
         variant = fwd_sm90.FwdFp8Sm90Variant(fwd_sm90.FP8, "bfloat16", headdim, *tiles[:5], False, False, True,
                                              False, tiles[5])
         variant.check()
-        assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.schedule,
+        assert (variant.consumers, variant.block_n, variant.stages, variant.sync, variant.schedule,
                 variant.v_pretransposed) == tiles
     assert all(len(tiles) == 6 for rows in fwd_sm90.FP8_TILES.values() for _, tiles in rows)
 
 
-@pytest.mark.parametrize("text", ["64:3x128x2", "64:3x128x2x0x1x1", "64:3xAx2x0", "64:3x128x2x0x3"])
+@pytest.mark.parametrize("text", ["64:3x128x2", "64:3x128x2x0x1x1", "64:3xAx2x0", "64:3x128x2x0x3", "64:3x128x2x3"])
 def test_sm90_tiles_refuses_malformed_rows(text):
     with pytest.raises((argparse.ArgumentTypeError, ValueError)):
         _bench_fwd().sm90_tiles(text)

@@ -129,9 +129,11 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
 
 
 # Rows the tile table does not hold, which benchmarks/bench_fwd.py --sm90-tiles can time: the serial
-# schedule with and without ping-pong, with one K/V stage and with two, at two and three consumers.
-OTHER_TILE_ROWS = ((64, (3, 128, 2, True, "serial")), (128, (2, 128, 2, False, "serial")),
-                   (256, (2, 128, 1, True, "serial")), (256, (2, 80, 2, True, "serial")))
+# schedule with ping-pong, free and starting tiles together, with one K/V stage and with two, at two
+# and three consumers; free consumers with the P V overlap and with two consumers.
+OTHER_TILE_ROWS = ((64, (3, 128, 2, "pingpong", "serial")), (128, (2, 128, 2, "tile", "serial")),
+                   (256, (2, 128, 1, "free", "serial")), (256, (2, 80, 2, "pingpong", "serial")),
+                   (128, (2, 192, 2, "free", "overlap_pv")), (256, (2, 80, 2, "free", "overlap")))
 
 
 def _tile_row_cases():
@@ -177,7 +179,7 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, overrid
         inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     family, variant = dispatch.plan(problem, {n: arrays.device_array(x) for n, x in inputs.items()})
     assert family.name == "fwd_sm90"
-    assert (variant.consumers, variant.block_n, variant.stages, variant.pingpong, variant.schedule) == tiles
+    assert (variant.consumers, variant.block_n, variant.stages, variant.sync, variant.schedule) == tiles
     if varlen:
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (4, q.shape[0]), torch.bfloat16)
         out, lse, q, k, v = out[37:][None], lse[:, 37:][None], q[37:][None], k[51:][None], v[51:][None]

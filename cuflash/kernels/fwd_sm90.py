@@ -30,7 +30,7 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
 FP8_WGMMA_N = (64, 128, 256)
 
-# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, pingpong,
+# Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
 # schedule)):
 # the first row whose bound covers the problem's seqlen_k is used (None: any). consumers: warpgroups
 # of 64 query rows (block_m = 64 * consumers) with 240 registers each when 2, 160 when 3. block_n is
@@ -43,7 +43,11 @@ FP8_WGMMA_N = (64, 128, 256)
 # dim 256 up to 512 keys: 128-key blocks, one stage, the serial schedule (512 keys are 4 blocks of
 # 128, against 7 of 80 whose last has 32 keys; H100: +3% non-causal at 512, causal within 0.5%;
 # from 1k 3-12% below the 80-key overlap; version 38).
-# pingpong: the consumers take turns issuing GEMMs. schedule (SCHEDULES, the kernel's Schedule):
+# sync (SYNCS, the kernel's ConsumerSync): "pingpong", the consumers take turns issuing GEMMs;
+# "tile", they start each tile together; "free", neither (H100: at head dim 64 up to 1k keys +7%
+# non-causal at 512, +4% at 1k, +1% causal 512 but -1% at 1k, -2 to -3% from 2k; three consumers
+# of 80 keys at head dim 128 +0.5 to +1.7% at 2k-4k; version 41). schedule (SCHEDULES, the
+# kernel's Schedule):
 # where a consumer issues and finishes P V of the block before. "overlap": issued beside the next
 # block's S = Q K^T and finished where ptxas puts it, before that softmax's exponentials;
 # "overlap_pv": finished after that softmax (measured on H100: +1.5-3% at head dim 128 from 4k keys,
@@ -55,12 +59,14 @@ FP8_WGMMA_N = (64, 128, 256)
 SCHEDULE_CXX = {"overlap": "cuflash::kScheduleOverlap", "overlap_pv": "cuflash::kScheduleOverlapPV",
                 "serial": "cuflash::kScheduleSerial"}
 SCHEDULES = tuple(SCHEDULE_CXX)  # in the order of the kernel's Schedule
+SYNC_CXX = {"tile": "cuflash::kSyncTile", "pingpong": "cuflash::kSyncPingPong", "free": "cuflash::kSyncFree"}
+SYNCS = tuple(SYNC_CXX)  # in the order of the kernel's ConsumerSync
 TILES = {
-    64: ((None, (3, 128, 2, False, "overlap")),),
-    128: ((1024, (2, 128, 2, True, "overlap")), (4096, (3, 80, 2, False, "overlap")),
-          (None, (2, 192, 2, True, "overlap_pv"))),
-    192: ((None, (2, 112, 2, True, "overlap")),),
-    256: ((512, (2, 128, 1, True, "serial")), (None, (2, 80, 2, False, "overlap"))),
+    64: ((1024, (3, 128, 2, "free", "overlap")), (None, (3, 128, 2, "tile", "overlap"))),
+    128: ((1024, (2, 128, 2, "pingpong", "overlap")), (4096, (3, 80, 2, "free", "overlap")),
+          (None, (2, 192, 2, "pingpong", "overlap_pv"))),
+    192: ((None, (2, 112, 2, "pingpong", "overlap")),),
+    256: ((512, (2, 128, 1, "pingpong", "serial")), (None, (2, 80, 2, "tile", "overlap"))),
 }
 # Per compiled head dim, (unmasked, masked): whether each consumer warpgroup passes by the key
 # blocks its own 64 rows do not see (above a causal or window diagonal, or all of them for rows past
@@ -72,10 +78,10 @@ TILES = {
 PASS_BY = {64: (True, True), 128: (True, True), 192: (False, True), 256: (True, True)}
 # Softcap keeps more registers live per score: its own row per head dim (two consumers at 64, the
 # narrow blocks at 128), where nothing spills.
-SOFTCAP_TILES = {64: (2, 128, 3, True, "overlap"), 128: (2, 128, 2, True, "overlap"),
-                 192: (2, 112, 2, True, "overlap"), 256: (2, 80, 2, False, "overlap")}
+SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingpong", "overlap"),
+                 192: (2, 112, 2, "pingpong", "overlap"), 256: (2, 80, 2, "tile", "overlap")}
 # e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
-# pingpong, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
+# sync, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
 # any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys.
 # v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
@@ -91,9 +97,10 @@ SOFTCAP_TILES = {64: (2, 128, 3, True, "overlap"), 128: (2, 128, 2, True, "overl
 # as 16-bit ones against the same softmax, and taking turns for them cost more than it hid); at 64
 # (half-filled 128-byte rows) three consumer warpgroups (160 registers each, the producer 32)
 # measured 1.02-1.15x bf16 against 0.80-0.93x with two.
-FP8_TILES = {64: ((None, (3, 128, 2, False, "overlap", False)),),
-             128: ((None, (2, 128, 3, False, "overlap", False)),),
-             256: ((512, (2, 128, 2, True, "overlap", False)), (None, (2, 128, 2, True, "overlap", True)))}
+FP8_TILES = {64: ((None, (3, 128, 2, "tile", "overlap", False)),),
+             128: ((None, (2, 128, 3, "tile", "overlap", False)),),
+             256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
+                   (None, (2, 128, 2, "pingpong", "overlap", True)))}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -102,8 +109,8 @@ FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
 # Set by benchmarks/bench_fwd.py --sm90-tiles (--fp8-tiles) before the first call, to time other
 # table rows (dispatch remembers each choice); None in normal use.
-tiles_override: dict[int, tuple[int, int, int, bool, str]] | None = None
-fp8_tiles_override: dict[int, tuple[int, int, int, bool, str, bool]] | None = None
+tiles_override: dict[int, tuple[int, int, int, str, str]] | None = None
+fp8_tiles_override: dict[int, tuple[int, int, int, str, str, bool]] | None = None
 # The grid: one CTA per SM, each taking tiles until none is left (True), or one CTA per tile, each
 # taking one and leaving the rest to the hardware's block scheduler (False: benchmarks/bench_fwd.py
 # --sm90-grid tiles, to compare the two).
@@ -164,7 +171,7 @@ class FwdSm90Variant(Variant):
     consumers: int  # consumer warpgroups, 64 query rows each
     block_n: int
     stages: int
-    pingpong: bool  # consumers take turns issuing their GEMMs
+    sync: str  # how the consumers keep in step (SYNCS, TILES)
     schedule: str  # where P V is issued and finished (SCHEDULES, TILES)
     varlen: bool
     softcap: bool
@@ -186,6 +193,8 @@ class FwdSm90Variant(Variant):
             raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
+        if self.sync not in SYNCS:
+            raise ValueError(f"fwd_sm90: sync {self.sync!r} is not one of {SYNCS}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"fwd_sm90: schedule {self.schedule!r} is not one of {SCHEDULES}")
         if self.consumers not in (2, 3):
@@ -235,7 +244,7 @@ class FwdSm90Variant(Variant):
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_ELEMENT_TYPES[self.dtype], CXX_TYPES[self.out_dtype], str(self.headdim), str(self.consumers),
-                str(self.block_n), str(self.stages), cxx_bool(self.pingpong), SCHEDULE_CXX[self.schedule],
+                str(self.block_n), str(self.stages), SYNC_CXX[self.sync], SCHEDULE_CXX[self.schedule],
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), str(self.q_buffers))
@@ -276,7 +285,7 @@ def _rows(headdim: int, softcap: bool):
     return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
 
-def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, bool, str]:
+def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, str, str]:
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
@@ -350,7 +359,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def _fp8_tiles(problem) -> tuple[int, int, int, bool, str, bool]:
+def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     if fp8_tiles_override and headdim in fp8_tiles_override:
