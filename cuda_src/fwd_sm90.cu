@@ -109,11 +109,11 @@ enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSer
 // Where the epilogue puts O before its 16-byte row stores: a tile of its own; the V slot of the
 // tile's last key block (when shared memory has no room for a tile of its own and the slot is as
 // large: 16 bits, kBlockN >= kBlockM; every consumer's last P V must be done before any writes
-// there, and the slot is released after the stores); Q's tile (when neither fits; Q is then
+// there, and the slot is released after the stores; a tile without key blocks stores zeros
+// unstaged: its O is zero, and that slot another tile's); Q's tile (when neither fits; Q is then
 // released only after the stores, and the next tile's Q loads after the epilogue); or nowhere:
 // stored straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head
-// dim 256, where the 16-bit O is twice Q's size and the V staging slots take the room; and the
-// tiles without key blocks of kOStageInV, whose O is zero and whose slot is another tile's).
+// dim 256, where the 16-bit O is twice Q's size and the V staging slots take the room).
 enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2, kOStageInV = 3 };
 
 // e4m3 (FP8): both wgmma operands must be K-major, and for O += P V the K dimension is the keys,
@@ -578,9 +578,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
   }
   for (;;) {
-    // A tile starts at a barrier: all the consumers' (kTileSync), else the warpgroup's own. That one orders nothing, but ptxas takes a bar.sync as a point where the warp
-    // is converged: without it, it kept the tile's values (slots, phases, descriptors) out of
-    // uniform registers, 52-93 R2UR between the GMMAs of the ping-pong variants.
+    // A tile starts at a barrier: all the consumers' (kTileSync), else the warpgroup's own. That
+    // one orders nothing, but ptxas takes a bar.sync as a point where the warp is converged:
+    // without it, it kept the tile's values (slots, phases, descriptors) out of uniform registers,
+    // 52-93 R2UR between the GMMAs of the ping-pong variants.
     if constexpr (kTileSync) {
       named_barrier_sync(kTileBarrier, 128 * kConsumers);
     } else {
