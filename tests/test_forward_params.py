@@ -80,8 +80,8 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
                        nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=True, window_right=0,
                        window_left=50, out_dtype="float16" if fp8 else None,
                        total_q=batch * seqlen_q if varlen else 0, total_k=batch * seqlen_k if varlen else 0)
-    variant = fwd_sm90.FwdSm90Variant(dtype, "float16" if fp8 else dtype, headdim, 2, 128, 2, False, False, varlen,
-                                      False, True, True, False)
+    variant = fwd_sm90.FwdSm90Variant(dtype, "float16" if fp8 else dtype, headdim, 2, 128, 2, "tile", "overlap",
+                                      varlen, False, True, True, False)
 
     def arrays_at(base):
         inputs = dict(q=_rows(base, batch, seqlen_q, nheads, headdim, varlen),
