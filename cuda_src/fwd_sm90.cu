@@ -54,10 +54,10 @@
 // is padded to a compiled one) are out of bounds for TMA: zeros.
 // Each consumer releases Q once its last GEMM of the tile is done (or, with O staged in Q's tile,
 // once O is stored), so the next tile's Q loads while it divides O by the row sums and stores it
-// (OStage: through shared memory in 16-byte row chunks, or straight from the accumulators); the
-// LSE goes out in natural log. With kQBuffers = 2 (where shared memory has room) tiles alternate
-// between two Q buffers, and a tile's Q loads as soon as the producer has issued the K/V loads of
-// the tile before.
+// (OStage: through shared memory, then by TMA stores or in 16-byte row chunks, or straight from the
+// accumulators); the LSE goes out in natural log. With kQBuffers = 2 (where shared memory has
+// room) tiles alternate between two Q buffers, and a tile's Q loads as soon as the producer has
+// issued the K/V loads of the tile before.
 #include "common/masking.cuh"
 #include "common/sm90.cuh"
 
@@ -93,8 +93,11 @@ struct FwdSm90Params {
   int num_tiles;           // blocks_m * nheads * batch
   int counter_slot;        // which tile counter this launch uses (see tile_counters)
   FastDivisor blocks_m_div, nheads_div, group_div;  // for the tile index's and the kv head's divisions
+  // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
+  // rows, for the epilogue's TMA stores (varlen: unused). Last, so that no field before it moves.
+  TmaMap o_map;
 };
-static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
 // How the consumer warpgroups keep in step: they start each tile together (kSyncTile), take turns
 // issuing their GEMMs (kSyncPingPong), or neither (kSyncFree; each still reads its tile from Q's
@@ -106,7 +109,7 @@ enum ConsumerSync : int { kSyncTile = 0, kSyncPingPong = 1, kSyncFree = 2 };
 // (kScheduleOverlapPV); or in a turn of its own, finished before that S is issued (kScheduleSerial).
 enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSerial = 2 };
 
-// Where the epilogue puts O before its 16-byte row stores: a tile of its own; the V slot of the
+// Where the epilogue stages O for its TMA stores (or 16-byte row stores): a tile of its own; the V slot of the
 // tile's last key block (when shared memory has no room for a tile of its own and the slot is as
 // large: 16 bits, kBlockN >= kBlockM; every consumer's last P V must be done before any writes
 // there, and the slot is released after the stores; a tile without key blocks stores zeros
@@ -247,6 +250,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr unsigned kVBytes = kFp8 ? kHeadDim * kBlockN : kKBytes;  // a V slot (e4m3: V^T, kHeadDim rows)
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
+  // O staged in shared memory goes out by TMA stores that one thread a warpgroup issues (dense: a
+  // varlen tile's rows beyond its sequence are the next sequence's, which a box would overwrite).
+  // The epilogue was a third of the instructions executed at head dim 256, causal 512, mostly each
+  // thread's 16 loads and 16-byte stores with their addresses and row tests
+  // (benchmarks/NOTES-sm90.md, version 43).
+  constexpr bool kOStoreTma = !kVarlen && kOStage != kOStageDirect;
   constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
   constexpr int kQKSteps = kHeadDim * sizeof(T) / 32;  // wgmma k steps of S = Q K^T: 32 bytes each
@@ -852,8 +861,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // ------------------------------------------------------------------ epilogue
     // O / rowsum (times v's descale, e4m3) in 16 bits into this warpgroup's 64 rows of the staging
     // tile (Q's 16-bit swizzled layout: the 8 rows a warp writes at once land in 8 different 16-byte
-    // bank groups), then out in 16-byte row chunks (kOStageInV's tiles without key blocks: zeros,
-    // nothing staged); or (kOStageDirect) straight out. The epilogue's
+    // bank groups, and TMA reads it as it writes Q), then out by TMA (kOStoreTma) or in 16-byte row
+    // chunks (kOStageInV's tiles without key blocks: zeros, nothing staged); or (kOStageDirect)
+    // straight out. The epilogue's
     // addresses are formed here from opaque copies of the thread and tile indices: otherwise the
     // compiler hoists them out of the tile loop and, at head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
@@ -868,6 +878,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     const bool zero_tile = kOStage == kOStageInV && !in_v;  // its O is zero, and that slot another tile's
     const int v_last = (it() - 1) % kStages;
     if (in_v) named_barrier_sync(kOInVBarrier, 128 * kConsumers);
+    // kOStoreTma: one TMA box per 64 columns of this warpgroup's rows, where those start at row 0 or
+    // below it (a box that starts above row 0 ended the kernel on H100, illegal instruction, where
+    // loads zero-fill; only a sequence's first tile has such rows: it stores as the other kOStage
+    // variants do, by 16-byte rows).
+    const bool o_tma = kOStoreTma && !zero_tile && te.m0 + e_wg * 64 >= 0;
+    const bool o_issuer = et % 128 == 0;  // the thread that issues them
+    if constexpr (kOStoreTma && kOStage == kOStageOwn) {  // the last tile's stores have read the staging tile
+      if (o_issuer) bulk_wait_read<0>();
+      named_barrier_sync(kWarpgroupBarrier + e_wg, 128);
+    }
     const unsigned stage = (kOStage == kOStageInV ? sV + v_last * kVBytes : sO) + e_wg * 64 * 128;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -891,7 +911,17 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
       }
     }
-    if constexpr (kOStage != kOStageDirect) {
+    if (o_tma) {
+      fence_proxy_async_shared();  // the staging writes, before the async proxy reads them
+      named_barrier_sync(kWarpgroupBarrier + e_wg, 128);
+      if (o_issuer) {
+#pragma unroll
+        for (int a = 0; a < kHeadDim / 64; ++a) {  // 16-bit swizzle rows of 64 columns
+          tma_store_4d(&p.o_map, stage + a * kBlockM * 128, 64 * a, te.h, te.m0 + e_wg * 64, te.b);
+        }
+        bulk_commit();
+      }
+    } else if constexpr (kOStage != kOStageDirect) {
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);
       // Each thread keeps one 16-byte chunk column c of the rows and steps down them kRowsPerPass at
       // a time, so a chunk costs a bounds test, a load and a store: with the row and column derived
@@ -916,16 +946,23 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
       }
     }
+    // The staged O's reads are done (this warp's loads, and the TMA stores: their issuer waits),
+    // before TMA writes the next Q (kOStageInQ) or V (in_v) over it.
+    auto release_staging = [&](unsigned bar) {
+      fence_proxy_async_shared();
+      if (kOStoreTma && o_issuer) bulk_wait_read<0>();
+      mbarrier_arrive_warp(bar);
+    };
     if constexpr (kOStage == kOStageInQ) {
-      // This warp's reads of the staged O are done: TMA may write the next Q over it.
-      fence_proxy_async_shared();
-      mbarrier_arrive_warp(q_empty(0));
-    } else if (in_v) {  // likewise the next V over this slot
-      fence_proxy_async_shared();
-      mbarrier_arrive_warp(v_empty(v_last));
-    } else if constexpr (kOStage == kOStageOwn) {
+      release_staging(q_empty(0));
+    } else if (in_v) {
+      release_staging(v_empty(v_last));
+    } else if constexpr (kOStage == kOStageOwn && !kOStoreTma) {
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);  // reads done before the next tile's writes
     }
+  }
+  if constexpr (kOStoreTma) {
+    if (tid % 128 == 0) bulk_wait<0>();  // this warpgroup's stores are done before the CTA ends
   }
   if constexpr (kPingPong) {
     if (wg == 0) turn_begin();  // the hand-over after the last tile (or, with none, the first)

@@ -117,6 +117,10 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
             heads = nheads if name == "q" else nheads_kv
             assert p[f"{name}_map"].tobytes() == tma.encode_tiled(problem.dtype, inputs[name].ptr,
                                                                   *fwd_sm90.map_layout(problem, inputs[name], heads, rows))
+        # the epilogue's TMA stores: dense only (a varlen box would spill into the next sequence)
+        out_dtype = "float16" if fp8 else dtype
+        assert p["o_map"].tobytes() == (bytes(tma.MAP_BYTES) if varlen else tma.encode_tiled(
+            out_dtype, outputs["out"].ptr, *fwd_sm90.map_layout(problem, outputs["out"], nheads, 64, out_dtype)))
         assert (p["out"], p["lse"]) == (base + 0x50000, base + 0x60000)
         assert (p["cu_seqlens_q"], p["cu_seqlens_k"]) == ((base + 0x30000, base + 0x30100) if varlen else (0, 0))
         assert tuple(p["descale"]) == ((base + 0x40000, base + 0x40100, base + 0x40200) if fp8 else (0, 0, 0))

@@ -155,6 +155,15 @@ __device__ __forceinline__ void tma_prefetch_4d(const TmaMap* map, int c0, int c
                : "memory");
 }
 
+// One box of a rank-4 tensor map from shared memory (the layout tma_load_4d writes) to global, by
+// the issuing thread's bulk async-group (as bulk_reduce_add_f32); elements out of bounds are not
+// written. src written by other threads needs their fence_proxy_async_shared() and a barrier first.
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 // dst[i] += src[i] over `bytes` / 4 floats, shared memory to global, by the async proxy: the
 // issuing thread's bulk async-group (commit, then wait .read before reusing src, plain wait before
 // exit). dst and src 16-byte aligned, bytes a multiple of 16; src written by other threads needs

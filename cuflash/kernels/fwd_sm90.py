@@ -153,9 +153,11 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [(name, np.float32) for name in ("scale_log2", "softcap_exp2_scale", "softcap")]
            + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")]
            + [(f"{name}_{part}", t) for name in ("blocks_m", "nheads", "group")  # FastDivisor pairs
-              for part, t in (("mul", np.uint32), ("shift", np.int32))])
-FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 640})
+              for part, t in (("mul", np.uint32), ("shift", np.int32))]
+           + [("padding", (np.void, 48)), ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
+FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
 assert FWD_SM90_PARAMS.fields["group_shift"][1] == 588, "keep in step with FwdSm90Params"
+assert FWD_SM90_PARAMS.fields["o_map"][1] == 640, "keep in step with FwdSm90Params"
 PARAMS = ParamStruct(FWD_SM90_PARAMS)
 
 
@@ -401,10 +403,11 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def map_layout(problem, array, nheads: int, rows: int) -> tuple:
-    """(dims, strides in bytes, box) of the TMA descriptor of q, k, v (or dout) for boxes of one
-    swizzle row by `rows` tokens of one head: everything tma.encode_tiled takes but the address."""
-    size = ELEMENT_SIZE[problem.dtype]
+def map_layout(problem, array, nheads: int, rows: int, dtype: str | None = None) -> tuple:
+    """(dims, strides in bytes, box) of the TMA descriptor of q, k, v (or dout, or out: of `dtype`
+    when not the problem's) for boxes of one swizzle row by `rows` tokens of one head: everything
+    tma.encode_tiled takes but the address."""
+    size = ELEMENT_SIZE[dtype or problem.dtype]
     strides = tuple(s * size for s in _token_strides(problem, array))
     atom = SWIZZLE_ROW_BYTES // size  # elements of one swizzle row: the box's inner extent
     if problem.varlen:
@@ -478,6 +481,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
         del extents["v"]
         transpose_v, vt_layout = _prepare_v_transposed(variant, problem, inputs["v"], outputs["v_transposed"])
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
+    # The epilogue's TMA stores of a consumer's rows (kOStoreTma in the kernel: dense, O staged).
+    o_layout = (map_layout(problem, outputs["out"], problem.nheads, ROWS_PER_CONSUMER, variant.out_dtype)
+                if not problem.varlen and variant.o_stage != "direct" else None)
     group = problem.nheads // problem.nheads_kv
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles,
@@ -499,6 +505,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
             transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
         PARAMS.write_addresses(params, outputs, ("out", "lse"))
+        if o_layout:
+            PARAMS.write(params, "o_map", tma.encode_tiled(variant.out_dtype, outputs["out"].ptr, *o_layout))
         if problem.varlen:
             PARAMS.write_addresses(params, inputs, CU_SEQLENS)
         if fp8:
