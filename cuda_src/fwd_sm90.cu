@@ -586,6 +586,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   if constexpr (kPingPong) {
     if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
   }
+  int o_pending_slot = -1;  // kOStoreTma, kOStageInV: see the tile's start
   for (;;) {
     // A tile starts at a barrier: all the consumers' (kTileSync), else the warpgroup's own. That
     // one orders nothing, but ptxas takes a bar.sync as a point where the warp is converged:
@@ -605,6 +606,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     mbarrier_wait(q_full(next_q), q_phase_of(progress));
     const int index = tile_index(next_q);
     if (index >= p.num_tiles) break;
+    // kOStageInV with TMA stores: the V slot of the last tile's O, which this warp (its stores'
+    // issuer) releases only now, once they have read it; its Q wait above mostly covered that.
+    if constexpr (kOStoreTma && kOStage == kOStageInV) {
+      if (o_pending_slot >= 0) {
+        if (thread_index_again() % 128 == 0) bulk_wait_read<0>();
+        mbarrier_arrive_warp(v_empty(o_pending_slot));
+        o_pending_slot = -1;
+      }
+    }
     progress = kQBuffers == 2 ? (progress & ~3u) | ((progress + 1) & 3u) : progress ^ 1u;
     const Tile t = tile_at<kBlockM, kBlockN, kVarlen>(p, index);
     if (t.m0 + kBlockM <= 0) {  // a varlen sequence shorter than the longest: nothing to do
@@ -956,7 +966,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if constexpr (kOStage == kOStageInQ) {
       release_staging(q_empty(0));
     } else if (in_v) {
-      release_staging(v_empty(v_last));
+      // The warp that issued TMA stores from the slot arrives at the next tile's start: waiting
+      // here for their reads held its warpgroup at that tile's barrier (7% of the warp samples at
+      // head dim 256, causal 512; NOTES-sm90.md, version 44).
+      if (o_tma && et % 128 < 32) {
+        o_pending_slot = v_last;
+      } else {
+        release_staging(v_empty(v_last));
+      }
     } else if constexpr (kOStage == kOStageOwn && !kOStoreTma) {
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);  // reads done before the next tile's writes
     }
