@@ -74,7 +74,7 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
         (dtype, ptr, dims, strides, box)).encode().ljust(tma.MAP_BYTES, b"\0")[:tma.MAP_BYTES])
     monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
     dtype = "float8_e4m3fn" if fp8 else "bfloat16"
-    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = 2, 300, 700, 6, 2, 128
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = 2, 300, 2100, 6, 2, 128
     problem = _problem(op="attention_fp8_forward" if fp8 else "attention_varlen_forward" if varlen else
                        "attention_forward", dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                        nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=True, window_right=0,
@@ -135,7 +135,12 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
         assert (p["scale_log2"], p["softcap_exp2_scale"], p["softcap"]) == pytest.approx(
             forward.softmax_constants(problem), rel=1e-7)
         assert (p["nheads"], p["blocks_m"], p["num_tiles"]) == (nheads, blocks_m, blocks_m * nheads * batch)
-        for name, divisor in (("blocks_m", blocks_m), ("nheads", nheads), ("group", 3)):
+        # masked, 2k keys or more: one window of all 12 (batch, head) pairs here (36 tiles, 36 CTAs);
+        # varlen: head by head
+        window = 1 if varlen else batch * nheads
+        assert (p["window_heads"], p["window_tiles"]) == (window, window * blocks_m)
+        for name, divisor in (("blocks_m", blocks_m), ("nheads", nheads), ("group", 3), ("window_heads", window),
+                              ("window_tiles", window * blocks_m)):
             assert (p[f"{name}_mul"], p[f"{name}_shift"]) == fast_divisor(divisor)
         slots.append(int(p["counter_slot"]))
     assert (slots[1] - slots[0]) % fwd_sm90.TILE_COUNTERS == 1
@@ -163,3 +168,64 @@ def test_param_struct_writes_each_field_where_the_dtype_puts_it():
     assert bytearray(template) != buf and np.frombuffer(template, dtype)[0]["ptr"] == 0  # the template is untouched
     with pytest.raises(AssertionError):
         params.write(buf, "blob", b"short")
+
+
+@pytest.mark.parametrize("pairs, blocks_m, ctas, window", [
+    (256, 4, 132, 64),   # head dim 256, causal 512 (FA3 sizing): 33 pairs make a wave, 64 divide 256
+    (64, 16, 132, 16),   # head dim 256, causal 2k
+    (8, 128, 132, 2),    # head dim 256, causal 16k
+    (131, 4, 132, 1),    # no divisor of 131 from 33 to 66: head by head
+    (12, 3, 36, 12),     # fewer tiles than SMs: one CTA a tile, one window
+    (4, 200, 132, 1),    # a head alone has a tile per CTA
+])
+def test_fwd_sm90_masked_tile_order_windows_heads(pairs, blocks_m, ctas, window):
+    """fwd_sm90's masked variants draw tiles in windows of (batch, head) pairs, row block major
+    within a window (tile_at in cuda_src/fwd_sm90.cu): tile_window picks the fewest pairs that give
+    a window a tile per CTA and divide the pairs, and the kernel's decode, mirrored here with its
+    fast divisions, maps the tile indices one to one onto (pair, row block) in that order."""
+    from cuflash.kernels import fast_divisor, fwd_sm90
+
+    assert fwd_sm90.tile_window(pairs, blocks_m, ctas) == window
+
+    def fast_div(n, divisor):
+        mul, shift = fast_divisor(divisor)
+        return n if mul == 0 else (n * mul >> 32) >> shift
+
+    decoded = []
+    for index in range(pairs * blocks_m):
+        w = fast_div(index, window * blocks_m)
+        in_window = index - w * window * blocks_m
+        from_last = fast_div(in_window, window)
+        decoded.append((w * window + in_window - from_last * window, from_last))
+    expected = [(w + pair, from_last) for w in range(0, pairs, window) for from_last in range(blocks_m)
+                for pair in range(window)]
+    assert decoded == expected
+    assert sorted(decoded) == [(pair, b) for pair in range(pairs) for b in range(blocks_m)]
+
+
+def test_fwd_sm90_keeps_head_order_below_the_window_key_count(monkeypatch):
+    """Masked problems with fewer than TILE_WINDOW_MIN_KEYS keys draw their tiles head by head
+    (window_heads 1: the kernel's windowed decode is then the plain one)."""
+    import numpy as np
+
+    from cuflash import jit, tma
+    from cuflash.kernels import fwd_sm90
+
+    monkeypatch.setattr(tma, "encode_tiled", lambda *args: bytes(tma.MAP_BYTES))
+    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
+    windows = []
+    for seqlen in (fwd_sm90.TILE_WINDOW_MIN_KEYS - 1, fwd_sm90.TILE_WINDOW_MIN_KEYS):
+        problem = _problem(op="attention_forward", dtype="bfloat16", batch=4, seqlen_q=seqlen, seqlen_k=seqlen,
+                           nheads=8, nheads_kv=8, headdim=128, causal=True, window_right=0)
+        variant = fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False,
+                                          False, True, True, False)
+        rows = lambda base: _rows(base, 4, seqlen, 8, 128, False)
+        inputs = dict(q=rows(0), k=rows(1 << 28), v=rows(2 << 28))
+        lse = arrays.DeviceArray(3 << 28, (4, 8, seqlen), arrays.contiguous_strides((4, 8, seqlen)))
+        outputs = dict(out=rows(4 << 28), lse=lse)
+        launched = []
+        launch = fwd_sm90.prepare(variant, lambda *args, **kwargs: launched.append(args), problem, inputs, outputs)
+        launch(inputs, outputs, "stream")
+        p = np.frombuffer(launched[0][2][0].tobytes(), fwd_sm90.FWD_SM90_PARAMS)[0]
+        windows.append(int(p["window_heads"]))
+    assert windows == [1, fwd_sm90.tile_window(32, 16, 132)] and windows[1] > 1

@@ -154,9 +154,12 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [(name, np.int32) for name in ("nheads", "blocks_m", "num_tiles", "counter_slot")]
            + [(f"{name}_{part}", t) for name in ("blocks_m", "nheads", "group")  # FastDivisor pairs
               for part, t in (("mul", np.uint32), ("shift", np.int32))]
-           + [("padding", (np.void, 48)), ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
+           + [("window_heads", np.int32), ("window_tiles", np.int32)]
+           + [(f"window_{name}_{part}", t) for name in ("heads", "tiles")
+              for part, t in (("mul", np.uint32), ("shift", np.int32))]
+           + [("padding", (np.void, 24)), ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
-assert FWD_SM90_PARAMS.fields["group_shift"][1] == 588, "keep in step with FwdSm90Params"
+assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
 assert FWD_SM90_PARAMS.fields["o_map"][1] == 640, "keep in step with FwdSm90Params"
 PARAMS = ParamStruct(FWD_SM90_PARAMS)
 
@@ -467,6 +470,26 @@ def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
     return launch, map_layout_vt
 
 
+# Masked problems with fewer keys keep the head-by-head order: windows measured -4% at head dim 256,
+# causal 1k (and -1.5% at 512), where a window's K and V (32 MB) outgrow what head by head keeps in
+# L2 while the problem is nearly memory-bound; from 2k they measured +3 to +8% (NOTES-sm90.md,
+# version 45).
+TILE_WINDOW_MIN_KEYS = 2048
+
+
+def tile_window(pairs: int, blocks_m: int, ctas: int) -> int:
+    """(batch, head) pairs per window of the masked variants' tile order (tile_at in the kernel:
+    within a window, row block major): the fewest that give a window at least one tile per CTA and
+    divide the `pairs` evenly, up to twice that many (a window's K and V then stay in L2); 1, head
+    by head, where no such divisor exists or a head alone has a tile per CTA."""
+    least = -(-ctas // blocks_m)
+    if least > 1:
+        for heads in range(least, min(2 * least, pairs) + 1):
+            if pairs % heads == 0:
+                return heads
+    return 1
+
+
 def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid, the parameter struct without addresses and the tensor maps' layouts,
     made once; each launch writes the addresses in, looks the maps up by address (tma.encode_tiled
@@ -490,11 +513,16 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
                   **token_stride_fields(problem, o=outputs["out"]), **row_stride_fields(problem, lse=outputs["lse"]),
                   **mask_and_softmax_fields(problem))
     fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
-    for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group)):
-        fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
-    template = PARAMS.template(**fields)
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
+    # Varlen's tiles differ in cost by their sequence's length more than by row block: head by head.
+    window = (tile_window(problem.batch * problem.nheads, blocks_m, grid[0])
+              if not problem.varlen and problem.seqlen_k >= TILE_WINDOW_MIN_KEYS else 1)
+    fields.update(window_heads=window, window_tiles=window * blocks_m)
+    for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group),
+                          ("window_heads", window), ("window_tiles", window * blocks_m)):
+        fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
+    template = PARAMS.template(**fields)
     block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
 
     def launch_prepared(inputs, outputs, stream) -> None:
