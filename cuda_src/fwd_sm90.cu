@@ -99,7 +99,8 @@ struct FwdSm90Params {
   int window_heads, window_tiles;
   FastDivisor window_heads_div, window_tiles_div;
   // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
-  // rows, for the epilogue's TMA stores (varlen: unused). Last, so that no field before it moves.
+  // rows, for the epilogue's TMA stores (varlen: unused). Last (its 64-byte alignment pads the
+  // struct), so that no field before it moved.
   TmaMap o_map;
 };
 static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
@@ -114,10 +115,10 @@ enum ConsumerSync : int { kSyncTile = 0, kSyncPingPong = 1, kSyncFree = 2 };
 // (kScheduleOverlapPV); or in a turn of its own, finished before that S is issued (kScheduleSerial).
 enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSerial = 2 };
 
-// Where the epilogue stages O for its TMA stores (or 16-byte row stores): a tile of its own; the V slot of the
-// tile's last key block (when shared memory has no room for a tile of its own and the slot is as
-// large: 16 bits, kBlockN >= kBlockM; every consumer's last P V must be done before any writes
-// there, and the slot is released after the stores; a tile without key blocks stores zeros
+// Where the epilogue stages O for its TMA stores (or 16-byte row stores): a tile of its own; the V
+// slot of the tile's last key block (when shared memory has no room for a tile of its own and the
+// slot is as large: 16 bits, kBlockN >= kBlockM; every consumer's last P V must be done before any
+// writes there, and the slot is released after the stores; a tile without key blocks stores zeros
 // unstaged: its O is zero, and that slot another tile's); Q's tile (when neither fits; Q is then
 // released only after the stores, and the next tile's Q loads after the epilogue); or nowhere:
 // stored straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head
@@ -175,9 +176,10 @@ struct Tile {
 // row blocks differ in cost (causal: 1 to blocks_m key blocks), the heads go in windows of
 // window_heads, and within a window the tiles go row block by row block (the latest first), head
 // fastest: the tiles the CTAs draw last are then the window's cheapest, so they finish together.
-// Head by head, a long tile could be drawn last: the CTAs' finishing times spread by up to a
-// tile (a model of the greedy draw: 12% over the ideal at head dim 256, causal 512, 3% with
-// windows of a wave's worth of heads). A window's K and V stay in L2 while its tiles run.
+// Head by head, a long tile could be drawn last: the CTAs' finishing times spread by up to a tile
+// (a model of the greedy draw: 11-14% over the ideal for causal 512-8k at FA3 sizing, 1-3% with
+// windows of a wave's worth of heads; measured +3-8% from 2k, where the host sets windows:
+// fwd_sm90.py, TILE_WINDOW_MIN_KEYS). A window's heads run together, as a head's row blocks do.
 template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
