@@ -53,8 +53,9 @@
 // keys beyond seqlen_k come back from TMA as zeros (dense) or belong to a neighbouring sequence
 // (varlen); keys are masked, rows are never stored. Head-dim columns beyond `headdim` (kHeadDim
 // is padded to a compiled one) are out of bounds for TMA: zeros.
-// Each consumer releases Q once its last GEMM of the tile is done (or, with O staged in Q's tile,
-// once O is stored), so the next tile's Q loads while it divides O by the row sums and stores it
+// Each consumer releases Q once its last GEMM of the tile is done (its last S = Q K^T where there is
+// one Q buffer, kQReleaseAfterS; with O staged in Q's tile, once O is stored), so the next tile's Q
+// loads while it finishes the tile, divides O by the row sums and stores it
 // (OStage: through shared memory, then by TMA stores or in 16-byte row chunks, or straight from the
 // accumulators); the LSE goes out in natural log. With kQBuffers = 2 (where shared memory has
 // room) tiles alternate between two Q buffers, and a tile's Q loads as soon as the producer has
@@ -278,6 +279,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // thread's 16 loads and 16-byte stores with their addresses and row tests
   // (benchmarks/NOTES-sm90.md, version 43).
   constexpr bool kOStoreTma = !kVarlen && kOStage != kOStageDirect;
+  // With one Q buffer and O staged elsewhere, a warpgroup releases Q as soon as its last S = Q K^T
+  // is done, not after its last P V: the next tile's Q then loads during the last softmax and P V,
+  // off the tile boundary (where the tensor cores otherwise wait for it). Two Q buffers load the
+  // next Q during the whole tile anyway; O staged in Q releases it after the stores.
+  constexpr bool kQReleaseAfterS = kQBuffers == 1 && kOStage != kOStageInQ;
   constexpr int kSAcc = kBlockN / 2;     // S accumulators per thread
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
   constexpr int kQKSteps = kHeadDim * sizeof(T) / 32;  // wgmma k steps of S = Q K^T: 32 bytes each
@@ -792,6 +798,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_wait<0>();
         pin_registers(s);
         mbarrier_arrive_warp(k_empty(it() % kStages));
+        if (kQReleaseAfterS && n_top - 1 == t.kb.n_min) mbarrier_arrive_warp(q_empty(q_buffer()));
         float correction[2];
         softmax(n_top - 1, k_descale_top, correction, half_top);
         // The end of P V(n + 1): wait for it and release its V slot (v_slot < 0: none); then
@@ -859,6 +866,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           wgmma_wait<kSerial ? 0 : 1>();  // S(n) is done; P V of the block before may still run (not serial)
           pin_registers(s);
           mbarrier_arrive_warp(k_empty(slot));
+          if (kQReleaseAfterS && n == t.kb.n_min) mbarrier_arrive_warp(q_empty(q_buffer()));
           softmax(n, k_descale, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
             // Exactly 1 when the descale does not change (per-head descales: every block), so that
@@ -886,22 +894,23 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         wgmma_wait<0>();
         pin_registers(o);
         if constexpr (kOStage != kOStageInV) mbarrier_arrive_warp(v_empty(last));  // (InV: after O's stores)
-        if constexpr (kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));  // every S = Q K^T of this warpgroup is done: the next Q may load
+        if constexpr (kOStage != kOStageInQ && !kQReleaseAfterS) {
+          mbarrier_arrive_warp(q_empty(q_buffer()));  // every S = Q K^T of this warpgroup is done: the next Q may load
+        }
       }
     }
 
     // ------------------------------------------------------------------ epilogue
     // O / rowsum (times v's descale, e4m3) in 16 bits into this warpgroup's 64 rows of the staging
-    // tile (Q's 16-bit swizzled layout: the 8 rows a warp writes at once land in 8 different 16-byte
-    // bank groups, and TMA reads it as it writes Q), then out by TMA (kOStoreTma) or in 16-byte row
-    // chunks (kOStageInV's tiles without key blocks: zeros, nothing staged); or (kOStageDirect)
-    // straight out. The epilogue's
+    // tile, then out by TMA (kOStoreTma) or in 16-byte row chunks (kOStageInV's tiles without key
+    // blocks: zeros, nothing staged); or (kOStageDirect) straight out. The epilogue's
     // addresses are formed here from opaque copies of the thread and tile indices: otherwise the
     // compiler hoists them out of the tile loop and, at head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
     const Tile te = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index_again);
-    const int et = opaque(tid);
-    const int e_lane = et % 32, e_wg = et / 128 - 1, e_row = 16 * (et % 128 / 32) + e_lane / 4;
+    const unsigned et = static_cast<unsigned>(opaque(tid));
+    const unsigned e_lane = et % 32, e_row = 16 * (et % 128 / 32) + e_lane / 4;
+    const int e_wg = static_cast<int>(et / 128) - 1;
     TOut* o_base =
         static_cast<TOut*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
     float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
@@ -909,6 +918,22 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     const bool in_v = kOStage == kOStageInV && te.kb.n_max > te.kb.n_min;
     const bool zero_tile = kOStage == kOStageInV && !in_v;  // its O is zero, and that slot another tile's
     const int v_last = (it() - 1) % kStages;
+    // O / rowsum in 16 bits, packed before the waits below (kOStageInV: for the other consumers' last
+    // P V), so that only the stores are left after them; O's registers are free from here on.
+    unsigned packed[2][kHeadDim / 8];  // this thread's rows e_row and e_row + 8, columns 8 nt + 2 (e_lane % 4)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float total = quad_sum(row_sum[hf]);
+      const float inv = total > 0.f ? o_descale / total : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        packed[hf][nt] = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
+      }
+      const int row = te.m0 + e_wg * 64 + static_cast<int>(e_row) + 8 * hf;
+      if (e_lane % 4 == 0 && te.has_row(row)) {
+        lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
+      }
+    }
     if (in_v) named_barrier_sync(kOInVBarrier, 128 * kConsumers);
     // kOStoreTma: one TMA box per 64 columns of this warpgroup's rows, where those start at row 0 or
     // below it (a box that starts above row 0 ended the kernel on H100, illegal instruction, where
@@ -921,26 +946,34 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);
     }
     const unsigned stage = (kOStage == kOStageInV ? sV + v_last * kVBytes : sO) + e_wg * 64 * 128;
+    if constexpr (kOStage == kOStageDirect) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float total = quad_sum(row_sum[hf]);
-      const float inv = total > 0.f ? o_descale / total : 0.f;
-      const int r = e_row + 8 * hf;
-      const int row = te.m0 + e_wg * 64 + r;
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = te.m0 + e_wg * 64 + static_cast<int>(e_row) + 8 * hf;
 #pragma unroll
-      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-        const unsigned packed = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
-        if constexpr (kOStage == kOStageDirect) {
-          const int col = 8 * nt + 2 * (e_lane % 4);
+        for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+          const int col = 8 * nt + 2 * static_cast<int>(e_lane % 4);
           if (te.has_row(row) && col < p.headdim) {  // the head dim is even: col + 1 is in too
-            *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed;
+            *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed[hf][nt];
           }
-        } else if (!zero_tile) {
-          st_shared_b32(stage + (nt / 8) * kBlockM * 128 + sw128_offset(r, nt % 8) + (e_lane % 4) * 4, packed);
         }
       }
-      if (e_lane % 4 == 0 && te.has_row(row)) {
-        lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
+    } else if (!zero_tile) {
+      // Into this warpgroup's 64 rows of the staging tile (Q's swizzled layout: the 8 rows a warp
+      // writes at once land in 8 different 16-byte bank groups, and TMA reads it as it writes Q).
+      // Chunk c of row r sits at r * 128 + ((c ^ r % 8) << 4), and rows e_row and e_row + 8 share
+      // r % 8: one address per chunk, XORed once, serves both rows and every atom as immediates
+      // (ptxas formed each of the 64 addresses anew, ~12 instructions a store at head dim 256).
+      const unsigned row_chunk0 = stage + sw128_offset(e_row, 0) + (e_lane % 4) * 4;
+#pragma unroll
+      for (unsigned c = 0; c < 8; ++c) {
+        const unsigned chunk = row_chunk0 ^ (c << 4);
+#pragma unroll
+        for (int a = 0; a < kHeadDim / 64; ++a)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            st_shared_b32(chunk + a * kBlockM * 128 + hf * 8 * 128, packed[hf][8 * a + c]);
+          }
       }
     }
     if (o_tma) {
@@ -962,8 +995,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       constexpr unsigned kChunks = kHeadDim / 8;  // 16-byte chunks per row
       constexpr unsigned kChunkThreads = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
       constexpr unsigned kRowsPerPass = 128 / kChunkThreads;
-      const unsigned c = static_cast<unsigned>(et) % kChunkThreads;
-      const unsigned r0 = static_cast<unsigned>(et) % 128 / kChunkThreads;
+      const unsigned c = et % kChunkThreads;
+      const unsigned r0 = et % 128 / kChunkThreads;
       const int row0 = te.m0 + e_wg * 64 + static_cast<int>(r0);
       if (c < kChunks && static_cast<int>(c * 8) < p.headdim) {
         TOut* dst = o_base + row0 * p.o_stride_s + c * 8;
