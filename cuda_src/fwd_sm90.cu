@@ -95,10 +95,12 @@ struct FwdSm90Params {
   int num_tiles;           // blocks_m * nheads * batch
   int counter_slot;        // which tile counter this launch uses (see tile_counters)
   FastDivisor blocks_m_div, nheads_div, group_div;  // for the tile index's and the kv head's divisions
-  // Masked variants: tiles in windows of window_heads (batch, head) pairs (window_tiles of them),
-  // row block major within a window (tile_at; fwd_sm90.py, tile_window).
+  // Masked variants: the pairs from window_pair0 on in windows of window_heads (batch, head) pairs
+  // (window_tiles tiles), row block major within a window; those before it head by head (tile_at;
+  // fwd_sm90.py, tile_window).
   int window_heads, window_tiles;
   FastDivisor window_heads_div, window_tiles_div;
+  int window_pair0;
   // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
   // rows, for the epilogue's TMA stores (varlen: unused). Last (its 64-byte alignment pads the
   // struct), so that no field before it moved.
@@ -174,22 +176,25 @@ struct Tile {
 };
 
 // Unmasked, tiles are numbered row block fastest, head by head. Masked (kMasked), where a head's
-// row blocks differ in cost (causal: 1 to blocks_m key blocks), the heads go in windows of
-// window_heads, and within a window the tiles go row block by row block (the latest first), head
-// fastest: the tiles the CTAs draw last are then the window's cheapest, so they finish together.
-// Head by head, a long tile could be drawn last: the CTAs' finishing times spread by up to a tile
-// (a model of the greedy draw: 11-14% over the ideal for causal 512-8k at FA3 sizing, 1-3% with
-// windows of a wave's worth of heads; measured +3-8% from 2k, where the host sets windows:
-// fwd_sm90.py, TILE_WINDOW_MIN_KEYS). A window's heads run together, as a head's row blocks do.
+// row blocks differ in cost (causal: 1 to blocks_m key blocks), the heads from window_pair0 on go
+// in windows of window_heads, and within a window the tiles go row block by row block (the latest
+// first), head fastest: the tiles the CTAs draw last are then the window's cheapest, so they finish
+// together. Head by head, a long tile could be drawn last: the CTAs' finishing times spread by up
+// to a tile (a model of the greedy draw: 11-14% over the ideal for causal 512-8k at FA3 sizing,
+// 1-3% with windows of a wave's worth of heads; measured +3-8% from 2k, where every head is in a
+// window: fwd_sm90.py, TILE_WINDOW_MIN_KEYS). A window's heads run together, as a head's row blocks
+// do; below 2k keys, where that holds more K and V than L2 keeps, only the last wave's worth of
+// heads goes in a window (the draw's balance is decided by its last tiles).
 template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
   int hb, from_last;  // the (batch, head) pair, and the row block counted from the sequence's end
-  if constexpr (kMasked) {
-    const int window = fast_div(index, p.window_tiles_div);
-    const int in_window = index - window * p.window_tiles;
+  const int windowed = kMasked ? p.window_pair0 * p.blocks_m : 0;  // the first tile in a window
+  if (kMasked && index >= windowed) {
+    const int window = fast_div(index - windowed, p.window_tiles_div);
+    const int in_window = index - windowed - window * p.window_tiles;
     from_last = fast_div(in_window, p.window_heads_div);
-    hb = window * p.window_heads + in_window - from_last * p.window_heads;
+    hb = p.window_pair0 + window * p.window_heads + in_window - from_last * p.window_heads;
   } else {
     hb = fast_div(index, p.blocks_m_div);
     from_last = index - hb * p.blocks_m;

@@ -138,7 +138,7 @@ def test_fwd_sm90_prepared_launch_writes_each_calls_addresses_into_the_struct(fp
         # masked, 2k keys or more: one window of all 12 (batch, head) pairs here (36 tiles, 36 CTAs);
         # varlen: head by head
         window = 1 if varlen else batch * nheads
-        assert (p["window_heads"], p["window_tiles"]) == (window, window * blocks_m)
+        assert (p["window_pair0"], p["window_heads"], p["window_tiles"]) == (0, window, window * blocks_m)
         for name, divisor in (("blocks_m", blocks_m), ("nheads", nheads), ("group", 3), ("window_heads", window),
                               ("window_tiles", window * blocks_m)):
             assert (p[f"{name}_mul"], p[f"{name}_shift"]) == fast_divisor(divisor)
@@ -170,42 +170,52 @@ def test_param_struct_writes_each_field_where_the_dtype_puts_it():
         params.write(buf, "blob", b"short")
 
 
-@pytest.mark.parametrize("pairs, blocks_m, ctas, window", [
-    (256, 4, 132, 64),   # head dim 256, causal 512 (FA3 sizing): 33 pairs make a wave, 64 divide 256
-    (64, 16, 132, 16),   # head dim 256, causal 2k
-    (8, 128, 132, 2),    # head dim 256, causal 16k
-    (131, 4, 132, 1),    # no divisor of 131 from 33 to 66: head by head
-    (12, 3, 36, 12),     # fewer tiles than SMs: one CTA a tile, one window
-    (4, 200, 132, 1),    # a head alone has a tile per CTA
+@pytest.mark.parametrize("pairs, blocks_m, ctas, seqlen_k, pair0, window", [
+    (256, 4, 132, 512, 223, 33),  # head dim 256, causal 512 (FA3 sizing): the last 33 pairs make a wave
+    (128, 8, 132, 1024, 111, 17),  # head dim 256, causal 1k
+    (20, 4, 132, 512, 0, 20),     # fewer pairs than a wave's worth: all in one window
+    (64, 16, 132, 2048, 0, 16),   # head dim 256, causal 2k: windows throughout, 16 divides 64
+    (8, 128, 132, 16384, 0, 2),   # head dim 256, causal 16k
+    (131, 4, 132, 4096, 0, 1),    # no divisor of 131 from 33 to 66: head by head
+    (12, 3, 36, 4096, 0, 12),     # fewer tiles than SMs: one CTA a tile, one window
+    (4, 200, 132, 512, 0, 1),     # a head alone has a tile per CTA
 ])
-def test_fwd_sm90_masked_tile_order_windows_heads(pairs, blocks_m, ctas, window):
-    """fwd_sm90's masked variants draw tiles in windows of (batch, head) pairs, row block major
-    within a window (tile_at in cuda_src/fwd_sm90.cu): tile_window picks the fewest pairs that give
-    a window a tile per CTA and divide the pairs, and the kernel's decode, mirrored here with its
-    fast divisions, maps the tile indices one to one onto (pair, row block) in that order."""
+def test_fwd_sm90_masked_tile_order_windows_heads(pairs, blocks_m, ctas, seqlen_k, pair0, window):
+    """fwd_sm90's masked variants draw tiles head by head up to window_pair0 and then in windows of
+    (batch, head) pairs, row block major within a window (tile_at in cuda_src/fwd_sm90.cu):
+    tile_window puts every pair in a window from TILE_WINDOW_MIN_KEYS keys (the fewest pairs that
+    give a window a tile per CTA and divide the pairs) and only the last wave's worth below, and
+    the kernel's decode, mirrored here with its fast divisions, maps the tile indices one to one
+    onto (pair, row block) in that order."""
     from cuflash.kernels import fast_divisor, fwd_sm90
 
-    assert fwd_sm90.tile_window(pairs, blocks_m, ctas) == window
+    assert fwd_sm90.tile_window(pairs, blocks_m, ctas, seqlen_k) == (pair0, window)
 
     def fast_div(n, divisor):
         mul, shift = fast_divisor(divisor)
         return n if mul == 0 else (n * mul >> 32) >> shift
 
     decoded = []
+    windowed = pair0 * blocks_m
     for index in range(pairs * blocks_m):
-        w = fast_div(index, window * blocks_m)
-        in_window = index - w * window * blocks_m
-        from_last = fast_div(in_window, window)
-        decoded.append((w * window + in_window - from_last * window, from_last))
-    expected = [(w + pair, from_last) for w in range(0, pairs, window) for from_last in range(blocks_m)
-                for pair in range(window)]
+        if index >= windowed:
+            w = fast_div(index - windowed, window * blocks_m)
+            in_window = index - windowed - w * window * blocks_m
+            from_last = fast_div(in_window, window)
+            decoded.append((pair0 + w * window + in_window - from_last * window, from_last))
+        else:
+            hb = fast_div(index, blocks_m)
+            decoded.append((hb, index - hb * blocks_m))
+    expected = [(pair, from_last) for pair in range(pair0) for from_last in range(blocks_m)]
+    expected += [(pair0 + w + pair, from_last) for w in range(0, pairs - pair0, window)
+                 for from_last in range(blocks_m) for pair in range(window)]
     assert decoded == expected
     assert sorted(decoded) == [(pair, b) for pair in range(pairs) for b in range(blocks_m)]
 
 
-def test_fwd_sm90_keeps_head_order_below_the_window_key_count(monkeypatch):
-    """Masked problems with fewer than TILE_WINDOW_MIN_KEYS keys draw their tiles head by head
-    (window_heads 1: the kernel's windowed decode is then the plain one)."""
+def test_fwd_sm90_windows_only_the_last_wave_below_the_window_key_count(monkeypatch):
+    """Masked problems with fewer than TILE_WINDOW_MIN_KEYS keys draw their tiles head by head but
+    for one window of a wave's worth of heads at the end; from there on, every head is in a window."""
     import numpy as np
 
     from cuflash import jit, tma
@@ -213,7 +223,7 @@ def test_fwd_sm90_keeps_head_order_below_the_window_key_count(monkeypatch):
 
     monkeypatch.setattr(tma, "encode_tiled", lambda *args: bytes(tma.MAP_BYTES))
     monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
-    windows = []
+    orders = []
     for seqlen in (fwd_sm90.TILE_WINDOW_MIN_KEYS - 1, fwd_sm90.TILE_WINDOW_MIN_KEYS):
         problem = _problem(op="attention_forward", dtype="bfloat16", batch=4, seqlen_q=seqlen, seqlen_k=seqlen,
                            nheads=8, nheads_kv=8, headdim=128, causal=True, window_right=0)
@@ -227,5 +237,6 @@ def test_fwd_sm90_keeps_head_order_below_the_window_key_count(monkeypatch):
         launch = fwd_sm90.prepare(variant, lambda *args, **kwargs: launched.append(args), problem, inputs, outputs)
         launch(inputs, outputs, "stream")
         p = np.frombuffer(launched[0][2][0].tobytes(), fwd_sm90.FWD_SM90_PARAMS)[0]
-        windows.append(int(p["window_heads"]))
-    assert windows == [1, fwd_sm90.tile_window(32, 16, 132)] and windows[1] > 1
+        orders.append((int(p["window_pair0"]), int(p["window_heads"])))
+    # 32 pairs of 16 row blocks: 9 pairs make a wave of 132 CTAs; 16 is the least divisor from 9
+    assert orders == [(32 - 9, 9), (0, 16)]

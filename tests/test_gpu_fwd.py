@@ -190,6 +190,29 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, overrid
     _check(out, lse, q, k, v, kw)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
+@pytest.mark.parametrize("headdim, batch, nheads, seqlen", [(64, 8, 16, 512), (256, 16, 8, 1000), (128, 2, 16, 2048)])
+def test_sm90_masked_tile_orders_cover_every_tile(headdim, batch, nheads, seqlen):
+    """Causal problems with more (batch, head) pairs than a wave of tiles: below 2k keys the pairs go
+    head by head and the last wave's worth in one window (window_pair0 > 0), from 2k all in windows
+    (fwd_sm90.tile_window): every tile is drawn once (outputs poisoned) and lands on its own rows."""
+    from cuflash.kernels import fwd_sm90
+
+    g = torch.Generator(device="cuda").manual_seed(seqlen + headdim)
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, "sm90", **kw)
+    family, variant = dispatch.plan(problem, {n: arrays.device_array(x) for n, x in dict(q=q, k=k, v=v).items()})
+    blocks_m = -(-seqlen // variant.block_m)
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    pair0, heads = fwd_sm90.tile_window(batch * nheads, blocks_m, ctas, seqlen)
+    assert (pair0 > 0) == (seqlen < fwd_sm90.TILE_WINDOW_MIN_KEYS) and heads > 1
+    out, lse = gpu_attention.run_poisoned(problem, dict(q=q, k=k, v=v), q.shape, (batch, nheads, seqlen), torch.bfloat16)
+    _check(out, lse, q, k, v, kw)
+
+
 @BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("headdim", [64, 128, 256])

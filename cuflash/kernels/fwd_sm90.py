@@ -157,7 +157,8 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [("window_heads", np.int32), ("window_tiles", np.int32)]
            + [(f"window_{name}_{part}", t) for name in ("heads", "tiles")
               for part, t in (("mul", np.uint32), ("shift", np.int32))]
-           + [("padding", (np.void, 24)), ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
+           + [("window_pair0", np.int32), ("padding", (np.void, 20)),
+              ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
 assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
 assert FWD_SM90_PARAMS.fields["o_map"][1] == 640, "keep in step with FwdSm90Params"
@@ -470,24 +471,31 @@ def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
     return launch, map_layout_vt
 
 
-# Masked problems with fewer keys keep the head-by-head order: windows measured -4% at head dim 256,
-# causal 1k (and -1.5% at 512), where a window's K and V (32 MB) outgrow what head by head keeps in
-# L2 while the problem is nearly memory-bound; from 2k they measured +3 to +8% (NOTES-sm90.md,
-# version 45).
+# Masked problems from this many keys draw every tile in a window; with fewer, only the last
+# wave's worth of heads: windows throughout measured -4% at head dim 256, causal 1k (and -1.5% at
+# 512), where a window's K and V (32 MB) outgrow what head by head keeps in L2 while the problem is
+# nearly memory-bound; from 2k they measured +3 to +8% (NOTES-sm90.md, version 45).
 TILE_WINDOW_MIN_KEYS = 2048
 
 
-def tile_window(pairs: int, blocks_m: int, ctas: int) -> int:
-    """(batch, head) pairs per window of the masked variants' tile order (tile_at in the kernel:
-    within a window, row block major): the fewest that give a window at least one tile per CTA and
-    divide the `pairs` evenly, up to twice that many (a window's K and V then stay in L2); 1, head
-    by head, where no such divisor exists or a head alone has a tile per CTA."""
+def tile_window(pairs: int, blocks_m: int, ctas: int, seqlen_k: int) -> tuple[int, int]:
+    """(window_pair0, window_heads) of the masked variants' tile order (tile_at in the kernel): the
+    (batch, head) pairs before window_pair0 go head by head, those after in windows of window_heads,
+    row block major within each. A window needs at least one tile per CTA. From
+    TILE_WINDOW_MIN_KEYS keys every pair is in a window: the fewest pairs that divide `pairs`, up to
+    twice that many (a window's K and V then stay in L2), else head by head. Below, one window of
+    that many at the end, which balances the draw's last tiles and leaves the rest head by head.
+    Head by head throughout where a head alone has a tile per CTA."""
     least = -(-ctas // blocks_m)
-    if least > 1:
-        for heads in range(least, min(2 * least, pairs) + 1):
-            if pairs % heads == 0:
-                return heads
-    return 1
+    if least <= 1:
+        return 0, 1
+    if seqlen_k < TILE_WINDOW_MIN_KEYS:
+        heads = min(least, pairs)
+        return pairs - heads, heads
+    for heads in range(least, min(2 * least, pairs) + 1):
+        if pairs % heads == 0:
+            return 0, heads
+    return 0, 1
 
 
 def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
@@ -516,9 +524,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
     # Varlen's tiles differ in cost by their sequence's length more than by row block: head by head.
-    window = (tile_window(problem.batch * problem.nheads, blocks_m, grid[0])
-              if not problem.varlen and problem.seqlen_k >= TILE_WINDOW_MIN_KEYS else 1)
-    fields.update(window_heads=window, window_tiles=window * blocks_m)
+    pair0, window = (tile_window(problem.batch * problem.nheads, blocks_m, grid[0], problem.seqlen_k)
+                     if not problem.varlen else (0, 1))
+    fields.update(window_heads=window, window_tiles=window * blocks_m, window_pair0=pair0)
     for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group),
                           ("window_heads", window), ("window_tiles", window * blocks_m)):
         fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
