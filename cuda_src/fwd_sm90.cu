@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // The epilogue was a third of the instructions executed at head dim 256, causal 512, mostly each
   // thread's 16 loads and 16-byte stores with their addresses and row tests
   // (benchmarks/NOTES-sm90.md, version 43).
-  constexpr bool kOStoreTma = !kVarlen && kOStage != kOStageDirect;
+  constexpr bool kOStoreTma = !kVarlen && kOStage != kOStageDirect;  // (FwdSm90Variant.o_store_tma)
   // With one Q buffer and O staged elsewhere, a warpgroup releases Q as soon as its last S = Q K^T
   // is done, not after its last P V: the next tile's Q then loads during the last softmax and P V,
   // off the tile boundary (where the tensor cores otherwise wait for it). Two Q buffers load the
@@ -620,6 +620,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     if (wg == kConsumers - 1) named_barrier_arrive(kSchedulerBarrier, 256);  // warpgroup 0 goes first
   }
   int o_pending_slot = -1;  // kOStoreTma, kOStageInV: see the tile's start
+  // A staging area that O went out of (Q's tile or a V slot) released by this warp on `bar`, before
+  // TMA loads the next Q or V over it. Stored by TMA: the stores' reads are done (their `issuer`
+  // waits; the warps' writes were fenced before the stores). Copied out by 16-byte rows: this warp's
+  // reads ordered before the async proxy's writes.
+  auto release_staging = [&](unsigned bar, bool stored_by_tma, bool issuer) {
+    if (!stored_by_tma) {
+      fence_proxy_async_shared();
+    } else if (issuer) {
+      bulk_wait_read<0>();
+    }
+    mbarrier_arrive_warp(bar);
+  };
   for (;;) {
     // A tile starts at a barrier: all the consumers' (kTileSync), else the warpgroup's own. That
     // one orders nothing, but ptxas takes a bar.sync as a point where the warp is converged:
@@ -643,8 +655,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // issuer) releases only now, once they have read it; its Q wait above mostly covered that.
     if constexpr (kOStoreTma && kOStage == kOStageInV) {
       if (o_pending_slot >= 0) {
-        if (thread_index_again() % 128 == 0) bulk_wait_read<0>();
-        mbarrier_arrive_warp(v_empty(o_pending_slot));
+        release_staging(v_empty(o_pending_slot), true, thread_index_again() % 128 == 0);
         o_pending_slot = -1;
       }
     }
@@ -1016,15 +1027,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         }
       }
     }
-    // The staged O's reads are done (this warp's loads, and the TMA stores: their issuer waits),
-    // before TMA writes the next Q (kOStageInQ) or V (in_v) over it.
-    auto release_staging = [&](unsigned bar) {
-      fence_proxy_async_shared();
-      if (kOStoreTma && o_issuer) bulk_wait_read<0>();
-      mbarrier_arrive_warp(bar);
-    };
+    // Before TMA writes the next Q (kOStageInQ) or V (in_v) over the staged O.
     if constexpr (kOStage == kOStageInQ) {
-      release_staging(q_empty(0));
+      release_staging(q_empty(0), o_tma, o_issuer);
     } else if (in_v) {
       // The warp that issued TMA stores from the slot arrives at the next tile's start: waiting
       // here for their reads held its warpgroup at that tile's barrier (7% of the warp samples at
@@ -1032,7 +1037,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       if (o_tma && et % 128 < 32) {
         o_pending_slot = v_last;
       } else {
-        release_staging(v_empty(v_last));
+        release_staging(v_empty(v_last), o_tma, o_issuer);
       }
     } else if constexpr (kOStage == kOStageOwn && !kOStoreTma) {
       named_barrier_sync(kWarpgroupBarrier + e_wg, 128);  // reads done before the next tile's writes

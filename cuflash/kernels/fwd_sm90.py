@@ -199,10 +199,9 @@ class FwdSm90Variant(Variant):
             raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
-        if self.sync not in SYNCS:
-            raise ValueError(f"fwd_sm90: sync {self.sync!r} is not one of {SYNCS}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"fwd_sm90: schedule {self.schedule!r} is not one of {SCHEDULES}")
+        for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
+            if getattr(self, field) not in names:
+                raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
         if self.block_n not in WGMMA_N or self.stages < 1:
@@ -235,6 +234,12 @@ class FwdSm90Variant(Variant):
         if self.dtype == FP8:
             return "direct"
         return "in_v" if self.block_n >= self.block_m else "in_q"
+
+    @property
+    def o_store_tma(self) -> bool:
+        """The epilogue stores O by TMA (the kernel's kOStoreTma: O staged, dense; a varlen box
+        would spill into the next sequence), so the launch encodes a map of out."""
+        return not self.varlen and self.o_stage != "direct"
 
     @cached_property
     def q_buffers(self) -> int:
@@ -512,9 +517,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
         del extents["v"]
         transpose_v, vt_layout = _prepare_v_transposed(variant, problem, inputs["v"], outputs["v_transposed"])
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
-    # The epilogue's TMA stores of a consumer's rows (kOStoreTma in the kernel: dense, O staged).
+    # The epilogue's TMA stores of a consumer's rows.
     o_layout = (map_layout(problem, outputs["out"], problem.nheads, ROWS_PER_CONSUMER, variant.out_dtype)
-                if not problem.varlen and variant.o_stage != "direct" else None)
+                if variant.o_store_tma else None)
     group = problem.nheads // problem.nheads_kv
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles,
