@@ -385,7 +385,7 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
     assert accepted.family == "fwd_fp8_sm90" and accepted.headdim == 128
 
 
-def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_head_dim_256_beyond_512_query_rows():
+def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_beyond_2048_query_rows():
     """The FP8 table's pre-transposed row: select takes it, and the workspace the caller's framework
     allocates for it is declared from the problem alone, keys padded to 16; elsewhere no workspace."""
     import dataclasses
@@ -412,4 +412,7 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_head_dim_256_beyond_512_
     for other in (dataclasses.replace(problem, seqlen_q=512), dataclasses.replace(problem, headdim=128)):
         assert not fwd_sm90.select_fp8(other, inputs(other)).v_pretransposed
         assert kernels.workspace(other) == {}
+    long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k query rows
+    assert fwd_sm90.select_fp8(long_128, inputs(long_128)).v_pretransposed
+    assert kernels.workspace(long_128) == {"v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
     assert kernels.workspace(dataclasses.replace(problem, headdim=300)) == {}  # refused by select, no workspace

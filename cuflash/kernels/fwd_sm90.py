@@ -87,9 +87,12 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
 # warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
 # 32 MB) and a workspace of V's size buy, at head dim 256, +21-28% non-causal and +12-25% causal
-# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then); at 64 and 128, where the transpose keeps up, it
-# measured 0-10% slower. It pays when V blocks serve enough query rows: at 8k keys and head dim 256,
-# 1k and 2k query rows 6-17% faster, up to 512 rows 2-12% slower, GQA or not (H100,
+# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then). It pays when V blocks serve enough query rows: at
+# 8k keys and head dim 256, 1k and 2k query rows 6-17% faster, up to 512 rows 2-12% slower, GQA or
+# not. At 128, beyond 2k query rows (session 24, FA3 sizing, three alternations; the producer's
+# transposing warps had been taking a third of the issue samples): non-causal 4k-16k +3-5%, causal
+# 16k +1-3%, 2k even, 1k -6%; four stages fit without the staging slots. At 64 it measured within
+# +-2% from 2k and -6% at 1k, so the transpose stays in the kernel there (H100,
 # benchmarks/NOTES-fp8.md). Shared memory holds K, V^T and (transposed in the kernel) the staged V
 # per stage: at 256, two stages of those take 224 KiB and O is stored straight from registers,
 # while pre-transposed there is room to stage O; at 128 a third stage measured +3-6% non-causal on
@@ -98,7 +101,8 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # (half-filled 128-byte rows) three consumer warpgroups (160 registers each, the producer 32)
 # measured 1.02-1.15x bf16 against 0.80-0.93x with two.
 FP8_TILES = {64: ((None, (3, 128, 2, "tile", "overlap", False)),),
-             128: ((None, (2, 128, 3, "tile", "overlap", False)),),
+             128: ((2048, (2, 128, 3, "tile", "overlap", False)),
+                   (None, (2, 128, 4, "tile", "overlap", True))),
              256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
                    (None, (2, 128, 2, "pingpong", "overlap", True)))}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
