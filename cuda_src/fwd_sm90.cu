@@ -275,7 +275,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr int kAtoms = (kHeadDim + kAtomElems - 1) / kAtomElems;
   constexpr unsigned kQBytes = kBlockM * kAtoms * 128;
   constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // a K slot, a 16-bit V slot, an e4m3 staging slot
-  constexpr unsigned kVBytes = kFp8 ? kHeadDim * kBlockN : kKBytes;  // a V slot (e4m3: V^T, kHeadDim rows)
+  // A V slot; e4m3: V^T, kHeadDim rows of kVKeyAtoms 128-key swizzle atoms one after the other (the
+  // second of a 192-key block holds 64 of them; its TMA box brings 128 keys, the GEMM reads 64).
+  constexpr int kVKeyAtoms = (kBlockN + 127) / 128;
+  constexpr unsigned kVBytes = kFp8 ? kHeadDim * kVKeyAtoms * 128 : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
   // O staged in shared memory goes out by TMA stores that one thread a warpgroup issues (dense: a
@@ -317,7 +320,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert((kFp8 ? kHeadDim % 64 : kHeadDim % kAtomElems) == 0 && kHeadDim <= 256,
                 "whole swizzle atoms (e4m3: whole k32 steps, N a multiple of 64); wgmma N <= 256");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
-  static_assert(!kFp8 || kBlockN == 128, "e4m3: V^T is one 128-key swizzle row; descales come per 128 keys");
+  // e4m3: 128-key blocks, whose V^T is one 128-key swizzle row and whose k and v descales are one
+  // per 128 keys; or, with V^T written beforehand (no transposing warps) and per-head descales (the
+  // launcher's choice: blocks of 128 keys would straddle them), 192-key blocks.
+  static_assert(!kFp8 || kBlockN == 128 || (kVPreTransposed && kBlockN == 192),
+                "e4m3: 128-key blocks, or 192 with V^T written beforehand");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
   static_assert(kFp8 ? kOStage == kOStageOwn || kOStage == kOStageDirect : kOStage != kOStageDirect,
@@ -529,10 +536,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           mbarrier_wait(k_empty(slot), parity ^ 1);
           mbarrier_arrive_expect_tx(k_full(slot), kKBytes);  // zero-filled bytes count too
           load(sK + slot * kKBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
-          if constexpr (kVPreTransposed) {  // one box of V^T: kHeadDim rows of the block's 128 keys
+          if constexpr (kVPreTransposed) {  // a box of V^T per 128 keys of the block: kHeadDim rows
             mbarrier_wait(v_empty(slot), parity ^ 1);
             mbarrier_arrive_expect_tx(v_full(slot), kVBytes);
-            tma_load_4d(sV + slot * kVBytes, &p.v_map, v_full(slot), n * kBlockN, 0, h_kv, t.b);
+#pragma unroll
+            for (int a = 0; a < kVKeyAtoms; ++a) {
+              tma_load_4d(sV + slot * kVBytes + a * kHeadDim * 128, &p.v_map, v_full(slot), n * kBlockN + a * 128, 0,
+                          h_kv, t.b);
+            }
           } else {
             // e4m3: into the staging slot, which the transposing warps release.
             const unsigned v_free = kTranspose ? staging_empty(slot) : v_empty(slot);
@@ -706,7 +717,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       float s[kSAcc];
       unsigned pa[kPSteps][4];
       // e4m3: the descale of tensor `which` (q, k, v) for this tile's batch, head `head` and block
-      // of 128 rows `block` (FwdSm90Params); k's and v's of key block n (kBlockN is 128). The kv
+      // of 128 rows `block` (FwdSm90Params); k's and v's of key block n (kBlockN is 128, or the
+      // descales are per head: their block stride is 0). The kv
       // head is divided out once a tile (it was a division a block), and a block's k and v descales
       // are loaded before its barrier waits, so the loads' latency hides behind them and the GEMMs.
       auto descale = [&](int which, int head, int block) {
@@ -735,7 +747,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
           if constexpr (kFp8) {
-            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (32 >> 4), 1);
+            // (32-byte k steps within a 128-key atom of V^T, then the next atom)
+            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + (kk / 4) * (kHeadDim * 128 >> 4) +
+                                                   (kk % 4) * (32 >> 4), 1);
           } else {
             Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }

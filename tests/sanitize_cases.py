@@ -77,13 +77,14 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         print("quantize_fp8", dtype, shape, block, hadamard, "ran; descale", tuple(descale.shape), "max", float(descale.max()))
     if int(cp.cuda.Device().compute_capability) == 90:  # fwd_fp8_sm90: V transposed by the producer warps
         # or beforehand into a workspace (head dim 256 beyond 512 query rows, 128 beyond 2048:
-        # fwd_sm90.FP8_TILES)
+        # fwd_sm90.FP8_TILES; there 192-key blocks with per-head descales, FP8_PER_HEAD_TILES)
         for shape_q, shape_k, block, causal in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
                                                 ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
                                                 ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
                                                 ((2, 400, 4, 64), (2, 333, 2, 64), None, True),
                                                 ((1, 300, 4, 128), (1, 2100, 2, 128), 128, True),
                                                 ((1, 2100, 2, 128), (1, 2200, 1, 128), None, True),
+                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False),
                                                 ((1, 600, 2, 256), (1, 2061, 1, 256), None, False),
                                                 ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
                                                 ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False)):

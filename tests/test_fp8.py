@@ -415,4 +415,15 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_b
     long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k query rows
     assert fwd_sm90.select_fp8(long_128, inputs(long_128)).v_pretransposed
     assert kernels.workspace(long_128) == {"v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
+    # There, per-head k and v descales take 192-key blocks (FP8_PER_HEAD_TILES); per-128-row ones 128.
+    assert fwd_sm90.select_fp8(long_128, inputs(long_128)).block_n == 192
+    per_block = DeviceArray(ptr=1 << 20, shape=(2, 2, 8), strides=(16, 8, 1))
+    for name in ("k_descale", "v_descale"):
+        assert fwd_sm90.select_fp8(long_128, {**inputs(long_128), name: per_block}).block_n == 128
+    saved, fwd_sm90.fp8_tiles_override = fwd_sm90.fp8_tiles_override, {128: (2, 192, 2, "tile", "overlap", True)}
+    try:
+        with pytest.raises(ValueError, match="blocks of 192 keys need k_descale and v_descale per head"):
+            fwd_sm90.select_fp8(long_128, {**inputs(long_128), "k_descale": per_block})
+    finally:
+        fwd_sm90.fp8_tiles_override = saved
     assert kernels.workspace(dataclasses.replace(problem, headdim=300)) == {}  # refused by select, no workspace

@@ -94,12 +94,22 @@ def _check(out, lse, quantized, kw):
     return err, plain_err
 
 
-@contextlib.contextmanager
-def fp8_row(headdim: int, row: int):
-    """Run the FP8 kernel with row `row` (modulo their number) of this head dim's tile table (V
-    transposed in the kernel, or beforehand into a workspace), whatever its seqlen_q bound."""
-    compiled = next(h for h in fwd_sm90.FP8_HEADDIMS if h >= headdim)
+def fp8_rows(compiled: int, per_head: bool) -> list:
+    """The tile rows the FP8 kernel may take at this compiled head dim: the table's, and with k and v
+    descales per head, the row its pre-transposed rows give way to (FP8_PER_HEAD_TILES)."""
     rows = [tiles for _, tiles in fwd_sm90.FP8_TILES[compiled]]
+    if per_head and compiled in fwd_sm90.FP8_PER_HEAD_TILES:
+        rows.append(fwd_sm90.FP8_PER_HEAD_TILES[compiled])
+    return rows
+
+
+@contextlib.contextmanager
+def fp8_row(headdim: int, row: int, per_head: bool):
+    """Run the FP8 kernel with row `row` (modulo their number) of the rows it may take at this head
+    dim (fp8_rows: V transposed in the kernel, or beforehand into a workspace), whatever its seqlen_q
+    bound."""
+    compiled = next(h for h in fwd_sm90.FP8_HEADDIMS if h >= headdim)
+    rows = fp8_rows(compiled, per_head)
     saved = fwd_sm90.fp8_tiles_override
     fwd_sm90.fp8_tiles_override = {compiled: rows[row % len(rows)]}
     dispatch.clear_plans()
@@ -140,7 +150,7 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     (q8, qd), (k8, kd), (v8, vd) = quantized
     problem = _problem(q8, k8, kw, out_dtype)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    with fp8_row(headdim, row):  # which of the head dim's table rows (row modulo their number)
+    with fp8_row(headdim, row, block is None):  # which of the head dim's rows (row modulo their number)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
         _check(out, lse, quantized, kw)
         again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, (batch, nheads, seqlen_q), out_dtype)
@@ -148,19 +158,19 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
 
 
 @hopper_only
-@pytest.mark.parametrize("headdim,row", [(hd, i) for hd in fwd_sm90.FP8_HEADDIMS
-                                         for i in range(len(fwd_sm90.FP8_TILES[hd]))])
-def test_fp8_every_table_row(headdim, row):
-    """Each row of the table on a shape with ragged tails (keys not a multiple of 16 or of a block),
-    GQA and a causal mask, per-block descales."""
+@pytest.mark.parametrize("headdim,row,block", [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
+                                               for i in range(len(fp8_rows(hd, block is None)))])
+def test_fp8_every_table_row(headdim, row, block):
+    """Each row the kernel may take (fp8_rows) on a shape with ragged tails (keys not a multiple of
+    16 or of a block), GQA and a causal mask, with per-block and per-head descales."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    quantized = tuple(cuflash.quantize_fp8(x, block=128) for x in (q, k, v))
+    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
     (q8, qd), (k8, kd), (v8, vd) = quantized
     kw = dict(causal=True, window=(-1, -1), softmax_scale=None)
     problem = _problem(q8, k8, kw, torch.bfloat16)
-    with fp8_row(headdim, row):
+    with fp8_row(headdim, row, block is None):
         out, lse = gpu_attention.run_poisoned(problem, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd),
                                               q.shape, (2, 4, 333), torch.bfloat16)
     _check(out, lse, quantized, kw)

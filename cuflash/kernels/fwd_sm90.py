@@ -28,7 +28,7 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (64, 128, 256)
+FP8_WGMMA_N = (64, 128, 192, 256)
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
 # schedule)):
@@ -82,7 +82,8 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
                  192: (2, 112, 2, "pingpong", "overlap"), 256: (2, 80, 2, "tile", "overlap")}
 # e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
 # sync, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
-# any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys.
+# any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys
+# (but FP8_PER_HEAD_TILES).
 # v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
 # warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
@@ -91,8 +92,9 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # 8k keys and head dim 256, 1k and 2k query rows 6-17% faster, up to 512 rows 2-12% slower, GQA or
 # not. At 128, beyond 2k query rows (session 24, FA3 sizing, three alternations; the producer's
 # transposing warps had been taking a third of the issue samples): non-causal 4k-16k +3-5%, causal
-# 16k +1-3%, 2k even, 1k -6%; four stages fit without the staging slots. At 64 it measured within
-# +-2% from 2k and -6% at 1k, so the transpose stays in the kernel there (H100,
+# 16k +1-3%, 2k even, 1k -6%; the consumers run free there. (Two or four stages lose the loop
+# counters' uniformity at 128 pre-transposed: 26 R2UR, test_kernels_offline.) At 64 it measured
+# within +-2% from 2k and -6% at 1k, so the transpose stays in the kernel there (H100,
 # benchmarks/NOTES-fp8.md). Shared memory holds K, V^T and (transposed in the kernel) the staged V
 # per stage: at 256, two stages of those take 224 KiB and O is stored straight from registers,
 # while pre-transposed there is room to stage O; at 128 a third stage measured +3-6% non-causal on
@@ -102,9 +104,16 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # measured 1.02-1.15x bf16 against 0.80-0.93x with two.
 FP8_TILES = {64: ((None, (3, 128, 2, "tile", "overlap", False)),),
              128: ((2048, (2, 128, 3, "tile", "overlap", False)),
-                   (None, (2, 128, 4, "tile", "overlap", True))),
+                   (None, (2, 128, 3, "free", "overlap", True))),
              256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
                    (None, (2, 128, 2, "pingpong", "overlap", True)))}
+# Where k's and v's descales are per head (one per batch and kv head), a pre-transposed FP8_TILES row
+# of these head dims gives way to this one: 192-key blocks spread a block's fixed costs (the row
+# maxima, the waits, O's rescale) over 1.5x the scores. Per-128-key descales would straddle such a
+# block, so they keep 128 keys. (V^T's second swizzle atom holds 64 of the block's keys; its TMA box
+# brings 128.) Measured on H100 beside the 128-key row, three alternations: +2-4% non-causal 4k-16k,
+# +3-5% causal 16k, causal 4k +1% (benchmarks/NOTES-fp8.md, session 24).
+FP8_PER_HEAD_TILES = {128: (2, 192, 2, "free", "overlap", True)}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -136,9 +145,10 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     transpose = fp8 and not v_pretransposed  # V is staged and transposed in shared memory
     barriers = 8 * (2 * q_buffers + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
     row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
-    # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys) and the staged V (e4m3
-    # transposed in the kernel).
-    per_stage = block_n * row + (headdim * block_n + (block_n * row if transpose else 0) if fp8 else block_n * row)
+    # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys in whole 128-key swizzle
+    # atoms, a byte a key) and the staged V (e4m3 transposed in the kernel).
+    v_transposed = headdim * math.ceil(block_n / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES
+    per_stage = block_n * row + (v_transposed + (block_n * row if transpose else 0) if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
     return q_buffers * block_m * row + stages * per_stage + o_bytes + barriers + 1024
@@ -199,8 +209,10 @@ class FwdSm90Variant(Variant):
         if self.headdim not in (FP8_HEADDIMS if fp8 else HEADDIMS):
             raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {FP8_HEADDIMS if fp8 else HEADDIMS} "
                              f"for {self.dtype}")
-        if fp8 and (self.block_n != 128 or self.varlen or self.softcap):
-            raise ValueError("fwd_sm90: e4m3 takes block_n=128, dense inputs and no softcap")
+        if fp8 and (self.block_n not in (128, 192) or (self.block_n == 192 and not self.v_pretransposed)
+                    or self.varlen or self.softcap):
+            raise ValueError("fwd_sm90: e4m3 takes block_n=128 (or 192 with v_pretransposed), dense inputs and no "
+                             "softcap")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
@@ -325,8 +337,10 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, .
 
 
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
+    rows = {hd: [tiles for _, tiles in FP8_TILES[hd]] + ([FP8_PER_HEAD_TILES[hd]] if hd in FP8_PER_HEAD_TILES else [])
+            for hd in FP8_HEADDIMS}
     attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5])
-                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for _, tiles in FP8_TILES[hd]
+                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in rows[hd]
                       for mask in _mask_choices(FP8_PASS_BY, hd))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
@@ -405,6 +419,13 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     tiles = _fp8_tiles(problem)
+    kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
+    overridden = fp8_tiles_override is not None and headdim in fp8_tiles_override
+    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and not overridden:
+        tiles = FP8_PER_HEAD_TILES[headdim]
+    if tiles[1] != 128 and not kv_per_head:
+        raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
+                         "(batch, nheads_kv); per-128-row descales take blocks of 128")
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
                                 *_mask_fields(FP8_PASS_BY, headdim, problem), tiles[5])
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
