@@ -748,8 +748,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         for (int kk = 0; kk < kPSteps; ++kk) {
           if constexpr (kFp8) {
             // (32-byte k steps within a 128-key atom of V^T, then the next atom)
-            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + (kk / 4) * (kHeadDim * 128 >> 4) +
-                                                   (kk % 4) * (32 >> 4), 1);
+            constexpr int kAtomSteps = 128 / 32;
+            const unsigned step = (kk / kAtomSteps) * (kHeadDim * 128 >> 4) + (kk % kAtomSteps) * (32 >> 4);
+            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
           } else {
             Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }
@@ -797,6 +798,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           }
       };
 
+      // S(n) = Q K^T is done: K's slot is free, and (kQReleaseAfterS) so is Q after this warpgroup's
+      // last S of the tile.
+      auto s_done = [&](int slot, int n) {
+        mbarrier_arrive_warp(k_empty(slot));
+        if (kQReleaseAfterS && n == t.kb.n_min) mbarrier_arrive_warp(q_empty(q_buffer()));
+      };
+
       for (int n = t.kb.n_max - 1; n >= n_top; --n) {  // waiting for full keeps the slots' phases in step
         const int slot = it() % kStages, parity = (it() / kStages) & 1;
         mbarrier_wait(k_full(slot), parity);
@@ -827,8 +835,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         turn_end();
         wgmma_wait<0>();
         pin_registers(s);
-        mbarrier_arrive_warp(k_empty(it() % kStages));
-        if (kQReleaseAfterS && n_top - 1 == t.kb.n_min) mbarrier_arrive_warp(q_empty(q_buffer()));
+        s_done(it() % kStages, n_top - 1);
         float correction[2];
         softmax(n_top - 1, k_descale_top, correction, half_top);
         // The end of P V(n + 1): wait for it and release its V slot (v_slot < 0: none); then
@@ -895,8 +902,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           if constexpr (kOverlapPV) pv_slot = prev;
           wgmma_wait<kSerial ? 0 : 1>();  // S(n) is done; P V of the block before may still run (not serial)
           pin_registers(s);
-          mbarrier_arrive_warp(k_empty(slot));
-          if (kQReleaseAfterS && n == t.kb.n_min) mbarrier_arrive_warp(q_empty(q_buffer()));
+          s_done(slot, n);
           softmax(n, k_descale, correction);
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
             // Exactly 1 when the descale does not change (per-head descales: every block), so that

@@ -95,12 +95,9 @@ def _check(out, lse, quantized, kw):
 
 
 def fp8_rows(compiled: int, per_head: bool) -> list:
-    """The tile rows the FP8 kernel may take at this compiled head dim: the table's, and with k and v
-    descales per head, the row its pre-transposed rows give way to (FP8_PER_HEAD_TILES)."""
-    rows = [tiles for _, tiles in fwd_sm90.FP8_TILES[compiled]]
-    if per_head and compiled in fwd_sm90.FP8_PER_HEAD_TILES:
-        rows.append(fwd_sm90.FP8_PER_HEAD_TILES[compiled])
-    return rows
+    """The tile rows the FP8 kernel may take at this compiled head dim (fwd_sm90.fp8_tile_rows); with
+    per-128-row k and v descales, only those of 128-key blocks."""
+    return [tiles for tiles in fwd_sm90.fp8_tile_rows(compiled) if per_head or tiles[1] == 128]
 
 
 @contextlib.contextmanager

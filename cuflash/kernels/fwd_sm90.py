@@ -336,11 +336,16 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, .
                  for _, tiles in _rows(hd, softcap) for mask in _mask_choices(PASS_BY, hd))
 
 
+def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
+    """Every tile row the e4m3 kernel may take at this compiled head dim: FP8_TILES' rows, then the
+    FP8_PER_HEAD_TILES row (block_n 192: per-head k and v descales only, select_fp8)."""
+    return [tiles for _, tiles in FP8_TILES[headdim]] + ([FP8_PER_HEAD_TILES[headdim]]
+                                                         if headdim in FP8_PER_HEAD_TILES else [])
+
+
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
-    rows = {hd: [tiles for _, tiles in FP8_TILES[hd]] + ([FP8_PER_HEAD_TILES[hd]] if hd in FP8_PER_HEAD_TILES else [])
-            for hd in FP8_HEADDIMS}
     attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5])
-                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in rows[hd]
+                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
                       for mask in _mask_choices(FP8_PASS_BY, hd))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
