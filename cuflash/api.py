@@ -206,7 +206,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (`quantize_fp8`, one scale per
     FP8_BLOCK = 128 rows of each head) and runs `attention_fp8`, out in q's dtype; hadamard=True also
     applies the random Hadamard transform to q and k first (incoherent processing: it cancels in
-    q k^T and spreads outliers). No softcap with fp8.
+    q k^T and spreads outliers). No softcap with fp8. CuPy arrays work here too (CuPy has no e4m3
+    dtype, so quantize_fp8 and attention_fp8 refuse them): the e4m3 copies are cuflash's own.
     """
     if _check_flag("fp8", fp8):
         return _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend,
@@ -428,7 +429,7 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     """x (batch, seqlen, nheads, headdim), float16/bfloat16/float32 -> (x8, descale).
 
     x: float16 or bfloat16 (float32 too on the CPU reference); torch or JAX arrays on GPU (CuPy has
-    no e4m3 dtype for x8). x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the
+    no e4m3 dtype for x8; attention(..., fp8=True) quantizes CuPy arrays into buffers of its own). x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the
     largest magnitude (NaNs ignored) of each scale's rows mapped to e4m3's 448 (an all-zero group
     gets 1). block=None: one scale per (batch, head), descale (batch, nheads); block=128
     (FP8_BLOCK, the only block size: attention_fp8 takes scales per 128 rows, as its GPU kernel
@@ -438,13 +439,20 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     signs drawn from `seed` (headdim a power of two): give q and k the same seed, and never
     transform v (reference.hadamard_matrix).
     """
+    return _quantize_fp8(x, block, hadamard, seed, cupy_bits=False)
+
+
+def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
+    """quantize_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes CuPy x, whose x8
+    holds e4m3 bits in a uint8 array (_CUPY_E4M3_BITS) that never reaches the caller."""
     named = dict(x=x)
 
     def check():
         info = _describe_all(named)["x"]
-        if info.framework == "cupy":
+        if info.framework == "cupy" and not cupy_bits:
             raise TypeError("x is a CuPy array, and CuPy has no float8_e4m3fn dtype for x8: pass a torch tensor or a "
-                            "JAX array (zero-copy from CuPy: torch.from_dlpack(x))")
+                            "JAX array (zero-copy from CuPy: torch.from_dlpack(x)), or let attention(q, k, v, "
+                            "fp8=True) quantize CuPy arrays into buffers of its own")
         _check_rank(info, 4, _ATTENTION_LAYOUT)
         _check_unit_last_stride(info)
         _check_dtype_supported("quantize_fp8", info)
@@ -469,7 +477,8 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
         descale_shape = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
         return problem, dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32"))
 
-    return dispatch.run_checked(dispatch.call_signature("quantize_fp8", named, (block, hadamard, seed)), named, check)
+    return dispatch.run_checked(dispatch.call_signature("quantize_fp8", named, (block, hadamard, seed, cupy_bits)),
+                                named, check)
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
@@ -487,6 +496,14 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     2048) the call also allocates, through the caller's framework, a scratch buffer the size of v8
     for V transposed.
     """
+    return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype,
+                          return_lse, backend, cupy_bits=False)
+
+
+def _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype, return_lse,
+                   backend, cupy_bits: bool):
+    """attention_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes the CuPy uint8
+    arrays of e4m3 bits that _quantize_fp8 makes for it."""
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     features = (causal, softmax_scale, window, 0.0)
@@ -495,7 +512,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
         dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)
         infos = _describe_all(named)
         for name in ("q8", "k8", "v8"):
-            if infos[name].dtype != FP8_DTYPE:
+            if cupy_bits and infos[name].framework == "cupy" and infos[name].dtype == arrays.CUPY_E4M3_BITS:
+                infos[name] = dataclasses.replace(infos[name], dtype=FP8_DTYPE)
+            elif infos[name].dtype != FP8_DTYPE:
                 raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}")
         problem = _attention_problem("attention_fp8_forward", dict(q=infos["q8"], k=infos["k8"], v=infos["v8"]),
                                      features, backend)
@@ -507,7 +526,7 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
                                                                    "float32"))
 
     inputs = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    signature = dispatch.call_signature("attention_fp8_forward", named, (*features, out_dtype, backend))
+    signature = dispatch.call_signature("attention_fp8_forward", named, (*features, out_dtype, backend, cupy_bits))
     out, lse = dispatch.run_checked(signature, inputs, check)
     return (out, lse) if return_lse else out
 
@@ -538,8 +557,9 @@ def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return
                                                                         hadamard))
     dtype, fp8_backend = dispatch.remembered(signature, check)
     return_lse = _check_flag("return_lse", return_lse)
-    q8, q_descale = quantize_fp8(q, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
-    k8, k_descale = quantize_fp8(k, block=FP8_BLOCK, hadamard=hadamard, seed=_FP8_SEED)
-    v8, v_descale = quantize_fp8(v, block=FP8_BLOCK)
-    return attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, window=window,
-                         softmax_scale=softmax_scale, out_dtype=dtype, return_lse=return_lse, backend=fp8_backend)
+    # (CuPy q, k and v: their e4m3 copies are cuflash's own, bits in uint8 arrays: cupy_bits)
+    q8, q_descale = _quantize_fp8(q, FP8_BLOCK, hadamard, _FP8_SEED, cupy_bits=True)
+    k8, k_descale = _quantize_fp8(k, FP8_BLOCK, hadamard, _FP8_SEED, cupy_bits=True)
+    v8, v_descale = _quantize_fp8(v, FP8_BLOCK, False, 0, cupy_bits=True)
+    return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, dtype,
+                          return_lse, fp8_backend, cupy_bits=True)

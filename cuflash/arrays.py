@@ -228,6 +228,12 @@ def _torch_dtype_and_device(dtype: str, device: Device) -> tuple:
     return getattr(torch, dtype), torch.device(device.kind, device.index) if device.is_cuda else torch.device("cpu")
 
 
+# CuPy has no e4m3 dtype ("Unsupported dtype float8_e4m3fn", CuPy 14.2): cuflash's own e4m3 buffers
+# for CuPy callers (attention(..., fp8=True)'s quantized copies, the V^T workspace) hold the bits in
+# arrays of this dtype. They never reach the caller: quantize_fp8 and attention_fp8 refuse CuPy.
+CUPY_E4M3_BITS = "uint8"
+
+
 def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) -> Any:
     """Allocate an uninitialised array through the caller's framework's own allocator."""
     if framework == "numpy":
@@ -238,7 +244,7 @@ def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) ->
     if framework == "cupy":
         cupy = _module("cupy")
         with cupy.cuda.Device(device.index):
-            return cupy.empty(shape, numpy_dtype(dtype))
+            return cupy.empty(shape, CUPY_E4M3_BITS if dtype == "float8_e4m3fn" else numpy_dtype(dtype))
     raise AssertionError(f"outputs of {framework} arrays are allocated by the framework itself")
 
 

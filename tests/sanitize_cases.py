@@ -92,3 +92,7 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)
             print("fwd_fp8_sm90", shape_q, shape_k, block, causal, "ran; max |out| =", float(out.abs().max()))
+        # attention(fp8=True) on CuPy arrays: its e4m3 copies and V^T workspace held as uint8 bits
+        q, k = randn((1, 600, 2, 256), "float16"), randn((1, 700, 1, 256), "float16")
+        out = cuflash.attention(q, k, k, fp8=True, hadamard=True)
+        print("fwd_fp8_sm90 CuPy fp8=True", q.shape, k.shape, "ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))

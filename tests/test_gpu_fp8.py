@@ -237,6 +237,35 @@ def test_fp8_attention_under_jax_jit_matches_torch():
     assert torch.equal(torch.from_dlpack(got), want)
 
 
+@hopper_only
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_true_on_cupy_arrays_matches_torch(dtype):
+    """CuPy arrays (which cannot hold e4m3): attention(fp8=True) quantizes them into uint8 buffers of
+    its own, V^T workspace included (head dim 256 beyond 512 query rows), on CuPy's current stream,
+    and gives torch's bits, twice (the second call through the remembered plan); quantize_fp8 and
+    attention_fp8 still refuse CuPy by name."""
+    cupy = pytest.importorskip("cupy")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=getattr(torch, dtype))
+    k, v = (torch.randn(1, 900, 2, 256, device="cuda", generator=g, dtype=q.dtype) for _ in range(2))
+    assert fwd_sm90.fp8_workspace(_problem(q, k, dict(causal=True, window=(-1, -1), softmax_scale=None), q.dtype))
+    want, want_lse = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True, return_lse=True)
+    torch.cuda.synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
+        for _ in range(2):
+            got, lse = cuflash.attention(qc, kc, vc, causal=True, fp8=True, hadamard=True, return_lse=True)
+            assert isinstance(got, cupy.ndarray) and got.dtype == qc.dtype and got.shape == qc.shape
+            stream.synchronize()
+            assert torch.equal(torch.from_dlpack(got), want) and torch.equal(torch.from_dlpack(lse), want_lse)
+    with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
+        cuflash.quantize_fp8(qc)
+    with pytest.raises(TypeError, match="q8 must be float8_e4m3fn"):
+        cuflash.attention_fp8(*(cupy.zeros(x.shape, cupy.uint8) for x in (qc, kc, vc)),
+                              *(cupy.ones((1, n), cupy.float32) for n in (4, 2, 2)))
+
+
 @pytest.mark.skipif(_hopper(), reason="the refusal is for GPUs without the FP8 kernel")
 def test_fp8_attention_elsewhere_says_which_gpu_it_needs():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
