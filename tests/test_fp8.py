@@ -412,6 +412,10 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_b
     for other in (dataclasses.replace(problem, seqlen_q=512), dataclasses.replace(problem, headdim=128)):
         assert not fwd_sm90.select_fp8(other, inputs(other)).v_pretransposed
         assert kernels.workspace(other) == {}
+    long_64 = dataclasses.replace(problem, headdim=64, seqlen_q=4097)  # head dim 64: beyond 4k query rows
+    assert fwd_sm90.select_fp8(long_64, inputs(long_64)).v_pretransposed
+    assert kernels.workspace(long_64) == {"v_transposed": ((2, 2, 64, 1008), "float8_e4m3fn")}
+    assert kernels.workspace(dataclasses.replace(long_64, seqlen_q=4096)) == {}
     long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k query rows
     assert fwd_sm90.select_fp8(long_128, inputs(long_128)).v_pretransposed
     assert kernels.workspace(long_128) == {"v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
