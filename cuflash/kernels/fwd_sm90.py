@@ -95,7 +95,9 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # 16k +1-3%, 2k even, 1k -6%; the consumers run free there. (Two or four stages lose the loop
 # counters' uniformity at 128 pre-transposed: 26 R2UR, test_kernels_offline.) At 64, beyond 4k
 # query rows, with ping-pong (session 25, two alternations): non-causal 8k-16k +4-5% (4k +3.5%),
-# causal 16k +2-7%, 8k even (4k -2%), 1k -4%; without ping-pong +1-4% (H100,
+# causal 16k +2-7%, 8k even (4k -2%), 1k -4%; without ping-pong +1-4%. Up to 4k the consumers
+# run free there (session 25): +4-10% non-causal and +0-3% causal against tile sync (512 causal
+# +8-26%), while beyond 4k free or ping-pong in the kernel lose 3-4% to V^T beforehand (H100,
 # benchmarks/NOTES-fp8.md). Shared memory holds K, V^T and (transposed in the kernel) the staged V
 # per stage: at 256, two stages of those take 224 KiB and O is stored straight from registers,
 # while pre-transposed there is room to stage O; at 128 a third stage measured +3-6% non-causal on
@@ -103,7 +105,7 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # as 16-bit ones against the same softmax, and taking turns for them cost more than it hid); at 64
 # (half-filled 128-byte rows) three consumer warpgroups (160 registers each, the producer 32)
 # measured 1.02-1.15x bf16 against 0.80-0.93x with two.
-FP8_TILES = {64: ((4096, (3, 128, 2, "tile", "overlap", False)),
+FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
                   (None, (3, 128, 2, "pingpong", "overlap", True))),
              128: ((2048, (2, 128, 3, "tile", "overlap", False)),
                    (None, (2, 128, 3, "free", "overlap", True))),
