@@ -429,9 +429,10 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     """x (batch, seqlen, nheads, headdim), float16/bfloat16/float32 -> (x8, descale).
 
     x: float16 or bfloat16 (float32 too on the CPU reference); torch or JAX arrays on GPU (CuPy has
-    no e4m3 dtype for x8; attention(..., fp8=True) quantizes CuPy arrays into buffers of its own). x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the
-    largest magnitude (NaNs ignored) of each scale's rows mapped to e4m3's 448 (an all-zero group
-    gets 1). block=None: one scale per (batch, head), descale (batch, nheads); block=128
+    no e4m3 dtype for x8; attention(..., fp8=True) quantizes CuPy arrays into buffers of its own).
+    x8: float8_e4m3fn, x's shape; descale: float32 with x ~ x8 * descale, the largest magnitude
+    (NaNs ignored) of each scale's rows mapped to e4m3's 448 (an all-zero group gets 1).
+    block=None: one scale per (batch, head), descale (batch, nheads); block=128
     (FP8_BLOCK, the only block size: attention_fp8 takes scales per 128 rows, as its GPU kernel
     applies K and V descales once per block of 128 keys): one scale per 128 rows of each head,
     descale (batch, nheads, ceil(seqlen / 128)), row r's scale at [..., r // 128] (the last block
@@ -444,7 +445,7 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
 
 def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
     """quantize_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes CuPy x, whose x8
-    holds e4m3 bits in a uint8 array (_CUPY_E4M3_BITS) that never reaches the caller."""
+    holds e4m3 bits in a uint8 array (arrays.CUPY_E4M3_BITS) that never reaches the caller."""
     named = dict(x=x)
 
     def check():
@@ -493,8 +494,8 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     must be positive and finite, as quantize_fp8 makes them: the GPU kernel folds q's and k's into
     the softmax scale (which must stay positive) and divides by v's; their values are not read on
     the host to check. On Hopper at head dim 256 with more than 512 query rows (at 128, more than
-    2048; at 64, more than 4096) the call also allocates, through the caller's framework, a scratch buffer the size of v8
-    for V transposed.
+    2048; at 64, more than 4096) the call also allocates, through the caller's framework, a scratch
+    buffer the size of v8 for V transposed.
     """
     return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype,
                           return_lse, backend, cupy_bits=False)
