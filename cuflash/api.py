@@ -493,9 +493,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True. Descales
     must be positive and finite, as quantize_fp8 makes them: the GPU kernel folds q's and k's into
     the softmax scale (which must stay positive) and divides by v's; their values are not read on
-    the host to check. On Hopper at head dim 256 with more than 512 query rows (at 128, more than
-    2048; at 64, more than 4096) the call also allocates, through the caller's framework, a scratch
-    buffer the size of v8 for V transposed.
+    the host to check. On Hopper at head dim 256 with more than 512 query rows, or from 256 with no
+    more keys than query rows (at 128, more than 2048; at 64, more than 4096) the call also
+    allocates, through the caller's framework, a scratch buffer the size of v8 for V transposed.
     """
     return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype,
                           return_lse, backend, cupy_bits=False)

@@ -76,9 +76,9 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=3)
         print("quantize_fp8", dtype, shape, block, hadamard, "ran; descale", tuple(descale.shape), "max", float(descale.max()))
     if int(cp.cuda.Device().compute_capability) == 90:  # fwd_fp8_sm90: V transposed by the producer warps
-        # or beforehand into a workspace (head dim 256 beyond 512 query rows, 128 beyond 2048, 64
-        # beyond 4096: fwd_sm90.FP8_TILES; at 128 192-key blocks with per-head descales,
-        # FP8_PER_HEAD_TILES)
+        # or beforehand into a workspace (head dim 256 beyond 512 query rows or from 256 with no more
+        # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; at
+        # 128 192-key blocks with per-head descales, FP8_PER_HEAD_TILES)
         for shape_q, shape_k, block, causal in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
                                                 ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
                                                 ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
@@ -87,6 +87,7 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 ((1, 2100, 2, 128), (1, 2200, 1, 128), None, True),
                                                 ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False),
                                                 ((1, 600, 2, 256), (1, 2061, 1, 256), None, False),
+                                                ((2, 300, 2, 256), (2, 290, 1, 256), None, True),
                                                 ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
                                                 ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False),
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True)):

@@ -412,6 +412,13 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_b
     for other in (dataclasses.replace(problem, seqlen_q=512), dataclasses.replace(problem, headdim=128)):
         assert not fwd_sm90.select_fp8(other, inputs(other)).v_pretransposed
         assert kernels.workspace(other) == {}
+    # Head dim 256 from 256 query rows where the keys are no more (FP8_SHORT_KEYS_PRETRANSPOSED).
+    for seqlen_q, seqlen_k, pretransposed in ((512, 512, True), (256, 100, True), (255, 255, False), (256, 257, False)):
+        short = dataclasses.replace(problem, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        assert fwd_sm90.select_fp8(short, inputs(short)).v_pretransposed == pretransposed, (seqlen_q, seqlen_k)
+        assert bool(kernels.workspace(short)) == pretransposed
+    square_128 = dataclasses.replace(problem, headdim=128, seqlen_q=512, seqlen_k=512)
+    assert not fwd_sm90.select_fp8(square_128, inputs(square_128)).v_pretransposed
     long_64 = dataclasses.replace(problem, headdim=64, seqlen_q=4097)  # head dim 64: beyond 4k query rows
     assert fwd_sm90.select_fp8(long_64, inputs(long_64)).v_pretransposed
     assert kernels.workspace(long_64) == {"v_transposed": ((2, 2, 64, 1008), "float8_e4m3fn")}

@@ -111,6 +111,15 @@ FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
                    (None, (2, 128, 3, "free", "overlap", True))),
              256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
                    (None, (2, 128, 2, "pingpong", "overlap", True)))}
+# Per compiled head dim: from this many query rows on, a problem whose keys are no more than its
+# query rows takes the head dim's V^T-beforehand FP8_TILES row whatever its seqlen_q bound says.
+# With few keys a tile has few blocks, and the in-kernel transpose of the first ones is not hidden
+# behind GEMMs. Measured at 256 on H100 (CUDA-graph timing, session 25, two alternations, FA3
+# sizing): 512 rows and keys +24% non-causal, +4% causal; 256 and 256 +22%, +1%; but with more keys
+# than query rows the pass over V does not pay: 512 rows with 1k / 2k / 8k keys +10% / -3% / -6%
+# non-causal (causal 1k -3%, 8k -12 to -17%), 256 rows with 1k keys -16%. At 128 and 64 it lost at
+# 512 rows and keys (-12% and -16% non-causal).
+FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
 # Where k's and v's descales are per head (one per batch and kv head), a pre-transposed FP8_TILES row
 # of these head dims gives way to this one: 192-key blocks spread a block's fixed costs (the row
 # maxima, the waits, O's rescale) over 1.5x the scores. Per-128-key descales would straddle such a
@@ -398,11 +407,16 @@ def select(problem, inputs) -> FwdSm90Variant:
 
 
 def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
-    """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q."""
+    """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q, or its
+    V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     if fp8_tiles_override and headdim in fp8_tiles_override:
         return fp8_tiles_override[headdim]
-    return next(tiles for bound, tiles in FP8_TILES[headdim] if bound is None or problem.seqlen_q <= bound)
+    rows = FP8_TILES[headdim]
+    short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
+    if short_keys is not None and short_keys <= problem.seqlen_q and problem.seqlen_k <= problem.seqlen_q:
+        return next(tiles for _, tiles in rows if tiles[5])
+    return next(tiles for bound, tiles in rows if bound is None or problem.seqlen_q <= bound)
 
 
 def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
