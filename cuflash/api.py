@@ -516,7 +516,10 @@ def _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, 
             if cupy_bits and infos[name].framework == "cupy" and infos[name].dtype == arrays.CUPY_E4M3_BITS:
                 infos[name] = dataclasses.replace(infos[name], dtype=FP8_DTYPE)
             elif infos[name].dtype != FP8_DTYPE:
-                raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}")
+                hint = ("; CuPy has no e4m3 dtype: attention(q, k, v, fp8=True) quantizes CuPy arrays into buffers "
+                        "of its own" if infos[name].framework == "cupy" else "")
+                raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}"
+                                + hint)
         problem = _attention_problem("attention_fp8_forward", dict(q=infos["q8"], k=infos["k8"], v=infos["v8"]),
                                      features, backend)
         problem = dataclasses.replace(problem, out_dtype=dtype)

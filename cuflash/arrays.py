@@ -235,7 +235,8 @@ CUPY_E4M3_BITS = "uint8"
 
 
 def empty(framework: str, device: Device, shape: tuple[int, ...], dtype: str) -> Any:
-    """Allocate an uninitialised array through the caller's framework's own allocator."""
+    """Allocate an uninitialised array through the caller's framework's own allocator (CuPy: e4m3 as
+    CUPY_E4M3_BITS)."""
     if framework == "numpy":
         return np.empty(shape, numpy_dtype(dtype))
     if framework == "torch":

@@ -385,9 +385,11 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
     assert accepted.family == "fwd_fp8_sm90" and accepted.headdim == 128
 
 
-def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_beyond_2048_query_rows():
-    """The FP8 table's pre-transposed row: select takes it, and the workspace the caller's framework
-    allocates for it is declared from the problem alone, keys padded to 16; elsewhere no workspace."""
+def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
+    """The FP8 table's pre-transposed rows (head dim 256 beyond 512 query rows or from 256 with no
+    more keys, 128 beyond 2048, 64 beyond 4096): select takes them, and the workspace the caller's
+    framework allocates is declared from the problem alone, keys padded to 16; elsewhere, and where
+    the V^T kernel's grid cannot hold the batch, no workspace."""
     import dataclasses
 
     from cuflash import kernels
@@ -417,6 +419,9 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_at_256_beyond_512_and_128_b
         short = dataclasses.replace(problem, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         assert fwd_sm90.select_fp8(short, inputs(short)).v_pretransposed == pretransposed, (seqlen_q, seqlen_k)
         assert bool(kernels.workspace(short)) == pretransposed
+    assert all(any(tiles[5] for _, tiles in fwd_sm90.FP8_TILES[hd]) for hd in fwd_sm90.FP8_SHORT_KEYS_PRETRANSPOSED)
+    huge = dataclasses.replace(problem, batch=65536)  # more batches than the V^T kernel's grid z holds
+    assert not fwd_sm90.select_fp8(huge, inputs(huge)).v_pretransposed and kernels.workspace(huge) == {}
     square_128 = dataclasses.replace(problem, headdim=128, seqlen_q=512, seqlen_k=512)
     assert not fwd_sm90.select_fp8(square_128, inputs(square_128)).v_pretransposed
     long_64 = dataclasses.replace(problem, headdim=64, seqlen_q=4097)  # head dim 64: beyond 4k query rows

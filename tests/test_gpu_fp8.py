@@ -241,9 +241,10 @@ def test_fp8_attention_under_jax_jit_matches_torch():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fp8_true_on_cupy_arrays_matches_torch(dtype):
     """CuPy arrays (which cannot hold e4m3): attention(fp8=True) quantizes them into uint8 buffers of
-    its own, V^T workspace included (head dim 256 beyond 512 query rows), on CuPy's current stream,
-    and gives torch's bits, twice (the second call through the remembered plan); quantize_fp8 and
-    attention_fp8 still refuse CuPy by name."""
+    its own, V^T workspace included (head dim 256 beyond 512 query rows), called inside a
+    non-default CuPy stream, and gives torch's bits, twice (the second call through the remembered
+    plan). quantize_fp8 and attention_fp8 still refuse CuPy, called with the arguments and layouts
+    of fp8=True's own calls (whose remembered plans must not answer for them)."""
     cupy = pytest.importorskip("cupy")
     g = torch.Generator(device="cuda").manual_seed(8)
     q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=getattr(torch, dtype))
@@ -260,10 +261,11 @@ def test_fp8_true_on_cupy_arrays_matches_torch(dtype):
             stream.synchronize()
             assert torch.equal(torch.from_dlpack(got), want) and torch.equal(torch.from_dlpack(lse), want_lse)
     with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
-        cuflash.quantize_fp8(qc)
-    with pytest.raises(TypeError, match="q8 must be float8_e4m3fn"):
-        cuflash.attention_fp8(*(cupy.zeros(x.shape, cupy.uint8) for x in (qc, kc, vc)),
-                              *(cupy.ones((1, n), cupy.float32) for n in (4, 2, 2)))
+        cuflash.quantize_fp8(qc, block=128, hadamard=True, seed=0)
+    bits = [cupy.zeros(x.shape, cupy.uint8) for x in (qc, kc, vc)]
+    descales = [cupy.ones((1, x.shape[2], -(-x.shape[1] // 128)), cupy.float32) for x in (qc, kc, vc)]
+    with pytest.raises(TypeError, match="q8 must be float8_e4m3fn .*got uint8; CuPy has no e4m3 dtype"):
+        cuflash.attention_fp8(*bits, *descales, causal=True, out_dtype=dtype)
 
 
 @pytest.mark.skipif(_hopper(), reason="the refusal is for GPUs without the FP8 kernel")

@@ -13,8 +13,8 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, tma
-from . import (CXX_TYPES, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim,
-               cxx_bool, fast_divisor, launch_nothing, require_rows_aligned)
+from . import (CXX_TYPES, MAX_GRID_YZ, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz,
+               compiled_headdim, cxx_bool, fast_divisor, launch_nothing, require_rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 
@@ -82,7 +82,7 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
                  192: (2, 112, 2, "pingpong", "overlap"), 256: (2, 80, 2, "tile", "overlap")}
 # e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
 # sync, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
-# any). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys
+# any), but for FP8_SHORT_KEYS_PRETRANSPOSED and grids the V^T kernel cannot launch (_fp8_tiles). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys
 # (but FP8_PER_HEAD_TILES).
 # v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
@@ -408,15 +408,20 @@ def select(problem, inputs) -> FwdSm90Variant:
 
 def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q, or its
-    V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so."""
+    V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where the
+    V^T kernel's grid (a block row per kv head and batch) cannot hold the problem."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     if fp8_tiles_override and headdim in fp8_tiles_override:
         return fp8_tiles_override[headdim]
     rows = FP8_TILES[headdim]
     short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
     if short_keys is not None and short_keys <= problem.seqlen_q and problem.seqlen_k <= problem.seqlen_q:
-        return next(tiles for _, tiles in rows if tiles[5])
-    return next(tiles for bound, tiles in rows if bound is None or problem.seqlen_q <= bound)
+        tiles = next(tiles for _, tiles in rows if tiles[5])
+    else:
+        tiles = next(tiles for bound, tiles in rows if bound is None or problem.seqlen_q <= bound)
+    if tiles[5] and max(problem.batch, problem.nheads_kv) > MAX_GRID_YZ:
+        tiles = next(tiles for _, tiles in rows if not tiles[5])
+    return tiles
 
 
 def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
