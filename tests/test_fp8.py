@@ -443,3 +443,4 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     finally:
         fwd_sm90.fp8_tiles_override = saved
     assert kernels.workspace(dataclasses.replace(problem, headdim=300)) == {}  # refused by select, no workspace
+    assert kernels.workspace(dataclasses.replace(problem, device=Device("cpu"))) == {}  # the reference needs none

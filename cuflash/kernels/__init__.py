@@ -224,7 +224,10 @@ def families_for(op: str, backend: str | None = None) -> list[Family]:
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The scratch buffers any family that may serve `problem` needs (Family.workspace)."""
+    """The scratch buffers any family that may serve `problem` needs (Family.workspace); none for a
+    problem on the CPU, which the reference serves (JAX would otherwise allocate them there)."""
+    if not problem.device.is_cuda:
+        return {}
     buffers: dict[str, tuple] = {}
     for family in families_for(problem.op, problem.backend):
         for name, spec in (family.workspace(problem) if family.workspace else {}).items():
