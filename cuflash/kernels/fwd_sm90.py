@@ -82,8 +82,9 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
                  192: (2, 112, 2, "pingpong", "overlap"), 256: (2, 80, 2, "tile", "overlap")}
 # e4m3: per compiled head dim, rows of (longest seqlen_q served, (consumers, block_n, stages,
 # sync, schedule, v_pretransposed)): the first row whose bound covers seqlen_q is used (None:
-# any), but for FP8_SHORT_KEYS_PRETRANSPOSED and grids the V^T kernel cannot launch (_fp8_tiles). block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys
-# (but FP8_PER_HEAD_TILES).
+# any), but for FP8_SHORT_KEYS_PRETRANSPOSED and grids the V^T kernel cannot launch (_fp8_tiles).
+# block_n is 128: V^T is one 128-key swizzle row, and block descales come per 128 keys (but
+# FP8_PER_HEAD_TILES).
 # v_pretransposed: V^T is written to a workspace by a kernel of its own (cuda_src/transpose_v_fp8.cu)
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
 # warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
@@ -406,13 +407,19 @@ def select(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
+def _fp8_forced_row(headdim: int) -> tuple[int, int, int, str, str, bool] | None:
+    """The row fp8_tiles_override forces at this compiled head dim (benchmarks, tests), or None."""
+    return fp8_tiles_override.get(headdim) if fp8_tiles_override else None
+
+
 def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q, or its
     V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where the
     V^T kernel's grid (a block row per kv head and batch) cannot hold the problem."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    if fp8_tiles_override and headdim in fp8_tiles_override:
-        return fp8_tiles_override[headdim]
+    forced = _fp8_forced_row(headdim)
+    if forced is not None:
+        return forced
     rows = FP8_TILES[headdim]
     short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
     if short_keys is not None and short_keys <= problem.seqlen_q and problem.seqlen_k <= problem.seqlen_q:
@@ -448,8 +455,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     tiles = _fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
-    overridden = fp8_tiles_override is not None and headdim in fp8_tiles_override
-    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and not overridden:
+    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None:
         tiles = FP8_PER_HEAD_TILES[headdim]
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
