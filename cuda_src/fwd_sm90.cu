@@ -276,7 +276,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr unsigned kQBytes = kBlockM * kAtoms * 128;
   constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // a K slot, a 16-bit V slot, an e4m3 staging slot
   // A V slot; e4m3: V^T, kHeadDim rows of kVKeyAtoms 128-key swizzle atoms one after the other (the
-  // second of a 192-key block holds 64 of them; its TMA box brings 128 keys, the GEMM reads 64).
+  // second of a 160- or 192-key block holds 32 or 64 of them; its TMA box brings 128 keys, the GEMM
+  // reads those).
   constexpr int kVKeyAtoms = (kBlockN + 127) / 128;
   constexpr unsigned kVBytes = kFp8 ? kHeadDim * kVKeyAtoms * 128 : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
@@ -322,9 +323,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "k16 steps over keys; wgmma N <= 256");
   // e4m3: 128-key blocks, whose V^T is one 128-key swizzle row and whose k and v descales are one
   // per 128 keys; or, with V^T written beforehand (no transposing warps) and per-head descales (the
-  // launcher's choice: blocks of 128 keys would straddle them), 192-key blocks.
-  static_assert(!kFp8 || kBlockN == 128 || (kVPreTransposed && kBlockN == 192),
-                "e4m3: 128-key blocks, or 192 with V^T written beforehand");
+  // launcher's choice: blocks of 128 keys would straddle them), wider blocks of whole k32 steps
+  // (160 at head dim 64, 192 at 128).
+  static_assert(!kFp8 || kBlockN == 128 || (kVPreTransposed && kBlockN % 32 == 0),
+                "e4m3: 128-key blocks, or whole k32 steps with V^T written beforehand");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
   static_assert(kFp8 ? kOStage == kOStageOwn || kOStage == kOStageDirect : kOStage != kOStageDirect,

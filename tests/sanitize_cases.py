@@ -90,7 +90,8 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 ((2, 300, 2, 256), (2, 290, 1, 256), None, True),
                                                 ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
                                                 ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True)):
+                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True),
+                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)

@@ -427,6 +427,7 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     long_64 = dataclasses.replace(problem, headdim=64, seqlen_q=4097)  # head dim 64: beyond 4k query rows
     assert fwd_sm90.select_fp8(long_64, inputs(long_64)).v_pretransposed
     assert kernels.workspace(long_64) == {"v_transposed": ((2, 2, 64, 1008), "float8_e4m3fn")}
+    assert fwd_sm90.select_fp8(long_64, inputs(long_64)).block_n == 160  # per-head descales: FP8_PER_HEAD_TILES
     assert kernels.workspace(dataclasses.replace(long_64, seqlen_q=4096)) == {}
     long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k query rows
     assert fwd_sm90.select_fp8(long_128, inputs(long_128)).v_pretransposed

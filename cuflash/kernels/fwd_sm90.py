@@ -28,7 +28,7 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (64, 128, 192, 256)
+FP8_WGMMA_N = (64, 128, 160, 192, 256)
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
 # schedule)):
@@ -122,12 +122,15 @@ FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
 # 512 rows and keys (-12% and -16% non-causal).
 FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
 # Where k's and v's descales are per head (one per batch and kv head), a pre-transposed FP8_TILES row
-# of these head dims gives way to this one: 192-key blocks spread a block's fixed costs (the row
-# maxima, the waits, O's rescale) over 1.5x the scores. Per-128-key descales would straddle such a
-# block, so they keep 128 keys. (V^T's second swizzle atom holds 64 of the block's keys; its TMA box
-# brings 128.) Measured on H100 beside the 128-key row, three alternations: +2-4% non-causal 4k-16k,
-# +3-5% causal 16k, causal 4k +1% (benchmarks/NOTES-fp8.md, session 24).
-FP8_PER_HEAD_TILES = {128: (2, 192, 2, "free", "overlap", True)}
+# of these head dims gives way to this one: wider blocks spread a block's fixed costs (the row
+# maxima, the waits, O's rescale) over more scores. Per-128-key descales would straddle such a
+# block, so they keep 128 keys. (V^T's second swizzle atom holds the block's last 32 or 64 keys; its
+# TMA box brings 128.) Measured on H100 beside the 128-key row: 192 keys at 128 (three
+# alternations, session 24) +2-4% non-causal 4k-16k, +3-5% causal 16k, causal 4k +1%; 160 keys at
+# 64 (FA3's choice there; three consumers still fit their 160 registers, where 192 keys spill; two
+# alternations, session 25) +1-2% non-causal 4k-16k, +1.5-3.5% causal 8k-16k
+# (benchmarks/NOTES-fp8.md).
+FP8_PER_HEAD_TILES = {64: (3, 160, 2, "pingpong", "overlap", True), 128: (2, 192, 2, "free", "overlap", True)}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -223,10 +226,10 @@ class FwdSm90Variant(Variant):
         if self.headdim not in (FP8_HEADDIMS if fp8 else HEADDIMS):
             raise ValueError(f"fwd_sm90: headdim {self.headdim} is not one of {FP8_HEADDIMS if fp8 else HEADDIMS} "
                              f"for {self.dtype}")
-        if fp8 and (self.block_n not in (128, 192) or (self.block_n == 192 and not self.v_pretransposed)
+        if fp8 and (self.block_n not in (128, 160, 192) or (self.block_n != 128 and not self.v_pretransposed)
                     or self.varlen or self.softcap):
-            raise ValueError("fwd_sm90: e4m3 takes block_n=128 (or 192 with v_pretransposed), dense inputs and no "
-                             "softcap")
+            raise ValueError("fwd_sm90: e4m3 takes block_n=128 (or 160 or 192 with v_pretransposed), dense inputs "
+                             "and no softcap")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
@@ -234,8 +237,9 @@ class FwdSm90Variant(Variant):
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
         if self.consumers not in (2, 3):
             raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
-        if self.block_n not in WGMMA_N or self.stages < 1:
-            raise ValueError(f"fwd_sm90: block_n={self.block_n} must be one of the wgmma extents {WGMMA_N} and "
+        extents = FP8_WGMMA_N if fp8 else WGMMA_N
+        if self.block_n not in extents or self.stages < 1:
+            raise ValueError(f"fwd_sm90: block_n={self.block_n} must be one of the wgmma extents {extents} and "
                              f"stages={self.stages} at least 1")
         if self.dynamic_shared_bytes > SMEM_LIMIT:
             raise ValueError(f"fwd_sm90: headdim {self.headdim}, block_n {self.block_n}, {self.stages} stages need "
@@ -352,7 +356,7 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, .
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
     """Every tile row the e4m3 kernel may take at this compiled head dim: FP8_TILES' rows, then the
-    FP8_PER_HEAD_TILES row (block_n 192: per-head k and v descales only, select_fp8)."""
+    FP8_PER_HEAD_TILES row (wider blocks: per-head k and v descales only, select_fp8)."""
     return [tiles for _, tiles in FP8_TILES[headdim]] + ([FP8_PER_HEAD_TILES[headdim]]
                                                          if headdim in FP8_PER_HEAD_TILES else [])
 
