@@ -4,6 +4,7 @@
   python benchmarks/bench_fwd.py --out DIR            # torch peers + cuflash -> DIR/fwd_torch.json
   python benchmarks/bench_fwd.py --out DIR --jax      # JAX cuDNN -> DIR/fwd_jax.json
   python benchmarks/bench_fwd.py --out DIR --backward # backward rows -> DIR/bwd_torch.json
+  python benchmarks/bench_fwd.py --out DIR --graph 20 # each timing a CUDA graph of 20 calls (short rows)
   python benchmarks/report.py DIR                     # -> DIR/fwd.md, DIR/bwd.md and PNG charts
 """
 from __future__ import annotations
@@ -75,6 +76,9 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", default="0,1", type=lambda s: [bool(int(x)) for x in s.split(",")])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--graph", type=int, default=0, metavar="CALLS",
+                        help="time CUDA graphs of CALLS calls each, replayed interleaved, instead of eager calls "
+                        "(PyTorch only): rows of ~100 us are host-bound when timed eagerly")
     parser.add_argument("--tiles", default=None, help="fwd_sm80 tiles to time instead of the table's, "
                         "e.g. 128:128x64x4x1,64:128x128x4x2 (headdim:block_m x block_n x warps x stages)",
                         type=lambda s: {int(hd): tuple(int(x) for x in t.split("x"))
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)
+    if args.jax and args.graph:
+        parser.error("--graph times the torch process's implementations; --jax runs JAX's peer back to back")
     if args.jax:
         rows = bench.run_jax(grid, args.reps)
     else:
@@ -102,12 +108,14 @@ def main(argv=None) -> int:
         fwd_sm90.fp8_tiles_override = args.fp8_tiles
         fwd_sm90.persistent = args.sm90_grid == "sms"
         xp = bench.array_backend()
+        if args.graph and xp.name != "torch":
+            parser.error("--graph needs PyTorch with CUDA (it captures with torch.cuda.graph)")
         print(f"host time per cuflash.attention call (tiny problem): {bench.host_overhead_us(xp):.1f} us", flush=True)
         rows = bench.run(grid, backward=args.backward, reps=args.reps, warmup=args.warmup, xp=xp,
                          extra=args.extra if args.extra is not None else ("deterministic",) if args.backward else ("sm80",),
-                         annotate=tile_annotation(args))
+                         annotate=tile_annotation(args), graph_calls=args.graph)
     name = "fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward else "fwd_torch.json"
-    bench.save(args.out / name, rows, reps=args.reps, command=" ".join(sys.argv))
+    bench.save(args.out / name, rows, reps=args.reps, command=" ".join(sys.argv), graph_calls=args.graph)
     return 0
 
 

@@ -3,7 +3,10 @@
 FlashAttention-3 sizing: batch * seqlen = 16k tokens, nheads * headdim = 2048. The implementations
 of one configuration are timed A B C A B C ... with CUDA events and no synchronisation until the
 end (host work overlaps the GPU as in a training step, and an implementation whose host time
-exceeds its kernel time still shows it); each gets the median of many repetitions. Peers in the
+exceeds its kernel time still shows it); each gets the median of many repetitions. With graph
+timing (`graph_calls`), each implementation's calls are captured in a CUDA graph and the graphs are
+replayed A B C A B C ...: the host's time per call drops out, which settles rows of ~100 us whose
+eager timing is host-bound. Peers in the
 same process: torch SDPA's FLASH_ATTENTION backend (FlashAttention-2 inside PyTorch) and its
 CUDNN_ATTENTION backend. JAX's cuDNN attention runs in its own process (JAX takes most of the GPU's
 memory when it starts), timed over back-to-back calls. Every row records the SM clock, temperature
@@ -144,6 +147,14 @@ class _Torch:
     def synchronize(self):
         self.torch.cuda.synchronize()
 
+    def graph(self, call, calls: int):
+        """`calls` calls of `call` captured in one CUDA graph; returns what replays it."""
+        graph = self.torch.cuda.CUDAGraph()
+        with self.torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+        return graph.replay
+
     def max_abs_diff(self, a, b) -> float:
         return (a.float() - b.float()).abs().max().item()
 
@@ -209,6 +220,9 @@ class _CuPy:
 
     def synchronize(self):
         self.cupy.cuda.Device().synchronize()
+
+    def graph(self, call, calls: int):
+        raise NotImplementedError("graph timing is built on torch.cuda.graph: it needs PyTorch with CUDA")
 
     def max_abs_diff(self, a, b) -> float:
         return float(abs(a.astype(self.cupy.float32) - b.astype(self.cupy.float32)).max())
@@ -280,8 +294,9 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
     return impls
 
 
-def time_interleaved(xp, impls: dict, reps: int, warmup: int) -> dict[str, list[float]]:
-    """Milliseconds of each call, A B C A B C ..., one synchronisation at the end."""
+def time_interleaved(xp, impls: dict, reps: int, warmup: int, calls_per_timing: int = 1) -> dict[str, list[float]]:
+    """Milliseconds of one call of each implementation, A B C A B C ..., one synchronisation at the end;
+    each entry of `impls` makes `calls_per_timing` calls (a graph replay makes many)."""
     for _ in range(warmup):
         for call in impls.values():
             call()
@@ -295,12 +310,28 @@ def time_interleaved(xp, impls: dict, reps: int, warmup: int) -> dict[str, list[
             end.record()
             events[name].append((start, end))
     xp.synchronize()
-    return {name: [xp.elapsed_ms(s, e) for s, e in pairs] for name, pairs in events.items()}
+    return {name: [xp.elapsed_ms(s, e) / calls_per_timing for s, e in pairs] for name, pairs in events.items()}
 
 
-def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=None, annotate=None) -> list[dict]:
+def time_graphs(xp, impls: dict, reps: int, warmup: int, calls: int) -> dict[str, list[float]]:
+    """As time_interleaved, with each implementation's `calls` calls captured in one CUDA graph and each
+    repetition one replay. A peer whose calls cannot be captured is left out with a message."""
+    replays = {}
+    for name, call in impls.items():
+        try:
+            replays[name] = xp.graph(call, calls)
+        except RuntimeError as e:
+            if name.startswith("cuflash"):
+                raise  # cuflash's launches must capture
+            say(f"  {name} cannot be captured in a CUDA graph: {str(e)[:120]}")
+    return time_interleaved(xp, replays, reps, warmup, calls_per_timing=calls)
+
+
+def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=None, annotate=None,
+        graph_calls=0) -> list[dict]:
     """Time cuflash and the peers on every configuration of `grid`; one row per implementation.
-    `annotate(impl, config)` may add fields to a row (e.g. the tile row a tuning run forced)."""
+    `annotate(impl, config)` may add fields to a row (e.g. the tile row a tuning run forced);
+    `graph_calls` > 0 times CUDA graphs of that many calls (time_graphs) instead of eager calls."""
     xp = xp or array_backend()
     rows = []
     for config in progress(grid, "backward" if backward else "forward"):
@@ -318,14 +349,15 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
             outputs[name] = result[0] if backward else result  # out, or dq
         ref = next(iter(outputs.values()))
         errors = {name: xp.max_abs_diff(out, ref) for name, out in outputs.items()}
-        times = time_interleaved(xp, impls, reps, warmup)
+        times = (time_graphs(xp, impls, reps, warmup, graph_calls) if graph_calls
+                 else time_interleaved(xp, impls, reps, warmup))
         state = gpu_state()
         for name, ts in times.items():
             ms = statistics.median(ts)
             deciles = statistics.quantiles(ts, n=10)
             rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops(backward) / ms / 1e9,
                              spread_p10_p90=(deciles[-1] - deciles[0]) / ms, backward=backward,
-                             max_abs_diff_vs_first=errors[name], **(annotate(name, config) if annotate else {}),
+                             max_abs_diff_vs_first=errors[name], graph_calls=graph_calls, **(annotate(name, config) if annotate else {}),
                              **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
         clock = f"{state['sm_clock_mhz']} MHz {state['temperature_c']} C" if state["sm_clock_mhz"] else "clock unknown"
@@ -388,8 +420,8 @@ def run_jax_process(grid: list[Config], reps: int = 30) -> tuple[list[dict], str
     return json.loads(child.stdout.strip().splitlines()[-1]), None
 
 
-def save(path, rows: list[dict], *, reps: int, command: str) -> None:
+def save(path, rows: list[dict], *, reps: int, command: str, graph_calls: int = 0) -> None:
     """Write a run's JSON (what cuflash.report reads): its rows and what they were measured with."""
     meta = dict(date=time.strftime("%Y-%m-%d"), versions=versions(), tokens=TOKENS, hidden=HIDDEN, reps=reps,
-                command=command)
+                graph_calls=graph_calls, command=command)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -60,6 +60,7 @@ def render(results: list[dict], title: str = "Forward") -> str:
     fp8 = "cuflash-fp8" in peers  # then also the FP8 kernel's speed-up over the 16-bit one
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
+           + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
            + ("; jax-cudnn timed back to back in its own process" if "jax-cudnn" in peers else "") + "; "
            f"{_clock_range(rows)}).",
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",

@@ -51,3 +51,9 @@ def test_sm90_tiles_refuses_malformed_rows(text):
 def test_fp8_tiles_takes_every_field(text):
     with pytest.raises(argparse.ArgumentTypeError):
         _bench_fwd().fp8_tiles(text)
+
+
+def test_graph_timing_is_refused_for_the_jax_peer(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _bench_fwd().main(["--out", str(tmp_path), "--jax", "--graph", "20"])
+    assert "--graph times the torch process" in capsys.readouterr().err

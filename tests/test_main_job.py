@@ -3,6 +3,7 @@ sizing, the report (markdown and chart). On CPU here; the GPU half runs on the l
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +172,60 @@ def test_report_marks_unsteady_rows():
     table = report.render([document])
     unsteady = [line for line in table.splitlines() if "unsteady" in line]
     assert unsteady == ["| bfloat16 | 64 | 1 | 1024 | 150 | 160 | - | 0.94 | 1980 (unsteady: p10-p90 0.40 of a median) |"]
+
+
+def test_report_says_graph_timing():
+    document = _document({"cuflash": 600, "torch-cudnn": 640})
+    assert "CUDA graph" not in report.render([document])
+    document["meta"]["graph_calls"] = 20
+    assert "median of 20 interleaved repetitions, each a CUDA graph replay of 20 calls" in report.render([document])
+
+
+class _FakeTiming:
+    """Events whose every interval reads 6 ms, and graphs that make their calls when replayed (the
+    capture of `uncapturable` fails as a peer's would)."""
+
+    def __init__(self, uncapturable=()):
+        self.uncapturable, self.calls = uncapturable, []
+
+    def event(self):
+        return types.SimpleNamespace(record=lambda: None)
+
+    def elapsed_ms(self, start, end):
+        return 6.0
+
+    def synchronize(self):
+        pass
+
+    def graph(self, call, calls):
+        if call in self.uncapturable:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda: [call() for _ in range(calls)]
+
+
+def test_graph_timing_counts_per_call_and_leaves_out_uncapturable_peers():
+    xp = _FakeTiming()
+    made = []
+    cuflash_call, peer = (lambda: made.append("cuflash")), (lambda: made.append("peer"))
+    xp.uncapturable = (peer,)
+    times = bench.time_graphs(xp, {"torch-cudnn": peer, "cuflash": cuflash_call}, reps=4, warmup=1, calls=3)
+    assert times == {"cuflash": [2.0] * 4}  # 6 ms a replay of 3 calls
+    assert made == ["cuflash"] * 3 * (1 + 4)  # the warm-up replay and 4 timed ones
+    assert bench.time_interleaved(xp, {"cuflash": cuflash_call}, reps=2, warmup=0) == {"cuflash": [6.0, 6.0]}
+    xp.uncapturable = (cuflash_call,)
+    with pytest.raises(RuntimeError, match="capturing"):  # cuflash's own launches must capture
+        bench.time_graphs(xp, {"cuflash": cuflash_call}, reps=1, warmup=0, calls=2)
+
+
+@pytest.mark.gpu
+def test_bench_graph_timing_on_torch():
+    """Graph timing captures cuflash (bf16 and e4m3, whose V^T pass and workspace are captured too) and
+    torch SDPA's peers."""
+    pytest.importorskip("torch")
+    grid = [bench.Config("bfloat16", 256, False, 1024, 2, 4)]
+    rows = bench.run(grid, reps=3, warmup=1, xp=bench._Torch(), extra=("fp8",), graph_calls=4)
+    assert {r["impl"] for r in rows} >= {"cuflash", "cuflash-fp8", "cuflash-fp8-block", "torch-cudnn"}
+    assert all(r["graph_calls"] == 4 and r["tflops"] > 1 for r in rows)
 
 
 @pytest.mark.gpu
