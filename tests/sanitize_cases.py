@@ -77,8 +77,8 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         print("quantize_fp8", dtype, shape, block, hadamard, "ran; descale", tuple(descale.shape), "max", float(descale.max()))
     if int(cp.cuda.Device().compute_capability) == 90:  # fwd_fp8_sm90: V transposed by the producer warps
         # or beforehand into a workspace (head dim 256 beyond 512 query rows or from 256 with no more
-        # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; at
-        # 128 192-key blocks with per-head descales, FP8_PER_HEAD_TILES)
+        # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; there,
+        # with per-head descales, the wider blocks of FP8_PER_HEAD_TILES)
         for shape_q, shape_k, block, causal in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
                                                 ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
                                                 ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
