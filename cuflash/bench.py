@@ -6,7 +6,9 @@ end (host work overlaps the GPU as in a training step, and an implementation who
 exceeds its kernel time still shows it); each gets the median of many repetitions. With graph
 timing (`graph_calls`), each implementation's calls are captured in a CUDA graph and the graphs are
 replayed A B C A B C ...: the host's time per call drops out, which settles rows of ~100 us whose
-eager timing is host-bound. Peers in the
+eager timing is host-bound. Long rows read lower in graphs under the SM's power cap (each
+implementation then runs many calls back to back; benchmarks/NOTES-fp8.md, session 26), so graph
+timing is for short rows. Peers in the
 same process: torch SDPA's FLASH_ATTENTION backend (FlashAttention-2 inside PyTorch) and its
 CUDNN_ATTENTION backend. JAX's cuDNN attention runs in its own process (JAX takes most of the GPU's
 memory when it starts), timed over back-to-back calls. Every row records the SM clock, temperature
