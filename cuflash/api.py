@@ -141,6 +141,14 @@ def _feature_keywords(scalars: tuple) -> dict:
     return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
 
 
+def _fp8_flags(fp8: Any, hadamard: Any) -> tuple[bool, bool]:
+    """attention's fp8 and hadamard flags, checked (hadamard only with fp8)."""
+    fp8, hadamard = _check_flag("fp8", fp8), _check_flag("hadamard", hadamard)
+    if hadamard and not fp8:
+        raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
+    return fp8, hadamard
+
+
 def _check_static_max_seqlens(max_seqlen_q: Any, max_seqlen_k: Any) -> None:
     """The wrappers take the varlen maxima as Python ints (an op schema's int; static under jax.jit)."""
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
@@ -209,11 +217,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     q k^T and spreads outliers). No softcap with fp8. CuPy arrays work here too (CuPy has no e4m3
     dtype, so quantize_fp8 and attention_fp8 refuse them): the e4m3 copies are cuflash's own.
     """
-    if _check_flag("fp8", fp8):
-        return _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend,
-                                    _check_flag("hadamard", hadamard))
-    if _check_flag("hadamard", hadamard):
-        raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
+    fp8, hadamard = _fp8_flags(fp8, hadamard)
+    if fp8:
+        return _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard)
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v)
     features = (causal, softmax_scale, window, softcap)

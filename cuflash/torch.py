@@ -2,13 +2,17 @@
 
 `cuflash.torch.attention` and `cuflash.torch.attention_varlen` are `torch.library` custom ops with
 autograd and fake (shape-only) implementations, so they work under autograd and `torch.compile`
-without graph breaks. Each op calls the framework-agnostic function of `cuflash.api`: CUDA tensors
+without graph breaks. The FP8 path (`quantize_fp8`, `attention_fp8` and `attention(..., fp8=True)`)
+is custom ops too, forward only: it traces under `torch.compile`, and refuses inputs that require
+grad (e4m3 quantization has no gradient here). Each op calls the framework-agnostic function of `cuflash.api`: CUDA tensors
 run cuflash's kernels on torch's current stream with outputs allocated by torch; CPU tensors run the
 NumPy reference (which is how CI checks the gradients). The forward saves q, k, v, out and lse for
 the backward, never the score matrix. lse, when returned, is not differentiable (like
 FlashAttention's): gradients flow through out only.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -115,6 +119,53 @@ def _grad_varlen(ctx, dout, _dlse):
 _attention_varlen_fwd.register_autograd(_grad_varlen, setup_context=_save_varlen)
 
 
+@torch.library.custom_op("cuflash::quantize_fp8", mutates_args=())
+def _quantize_fp8(x: torch.Tensor, block: Optional[int], hadamard: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.quantize_fp8(x, block=block, hadamard=hadamard, seed=seed)
+
+
+@_quantize_fp8.register_fake
+def _(x, block, hadamard, seed):
+    batch, seqlen, nheads, _ = x.shape
+    descale = (batch, nheads) if block is None else (batch, nheads, -(-seqlen // block))
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(descale, dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_fp8_fwd", mutates_args=())
+def _attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
+                       k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool, softmax_scale: float,
+                       window_left: int, window_right: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
+                             window=(window_left, window_right), out_dtype=out_dtype, return_lse=True)
+
+
+@_attention_fp8_fwd.register_fake
+def _(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, out_dtype):
+    batch, seqlen_q, nheads, _ = q8.shape
+    return q8.new_empty(q8.shape, dtype=out_dtype), q8.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_quantized_fwd", mutates_args=())
+def _attention_quantized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                             window_left: int, window_right: int, softcap: float,
+                             hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    features = (causal, softmax_scale, window_left, window_right, softcap)
+    return api.attention(q, k, v, return_lse=True, fp8=True, hadamard=hadamard, **api._feature_keywords(features))
+
+
+@_attention_quantized_fwd.register_fake
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, hadamard):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def _forward_only(what: str, *tensors) -> None:
+    """The FP8 ops have no backward: refuse inputs autograd would follow, rather than fail in it."""
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors):
+        raise ValueError(f"{what} is forward only (no gradient through e4m3 quantization): call it under "
+                         "torch.no_grad() or torch.inference_mode(), or on tensors that do not require grad")
+
+
 def _features(q, causal, softmax_scale, window, softcap) -> tuple:
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor for cuflash.torch; got {type(q).__module__}.{type(q).__qualname__} "
@@ -123,13 +174,46 @@ def _features(q, causal, softmax_scale, window, softcap) -> tuple:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
-              deterministic=False):
+              deterministic=False, fp8=False, hadamard=False):
     """`cuflash.attention` for torch tensors, differentiable in q, k and v (see its docstring for the
     semantics). Returns out, or (out, lse) with return_lse=True; lse is not differentiable.
-    deterministic=True makes the backward bit-identical from run to run (`attention_backward`)."""
+    deterministic=True makes the backward bit-identical from run to run (`attention_backward`).
+    fp8=True (and hadamard) as in `cuflash.attention`: forward only, so q, k and v must not require
+    grad (or grad mode must be off); deterministic does not apply there."""
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
-    out, lse = _attention_fwd(q, k, v, *_features(q, causal, softmax_scale, window, softcap), deterministic)
+    features = _features(q, causal, softmax_scale, window, softcap)
+    fp8, hadamard = api._fp8_flags(fp8, hadamard)
+    if fp8:
+        if deterministic:
+            raise ValueError("deterministic=True is about the backward, and fp8=True has none")
+        _forward_only("attention(..., fp8=True)", q, k, v)
+        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard)
+    else:
+        out, lse = _attention_fwd(q, k, v, *features, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
+    """`cuflash.quantize_fp8` as a custom op (traces under torch.compile); forward only."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor for cuflash.torch; got {type(x).__module__}.{type(x).__qualname__} "
+                        "(cuflash.quantize_fp8 takes any framework's arrays)")
+    _forward_only("quantize_fp8", x)
+    # block and seed reach cuflash.quantize_fp8 as they are, which checks them (when traced, at run time)
+    return _quantize_fp8(x, block, api._check_flag("hadamard", hadamard), seed)
+
+
+def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
+                  out_dtype=torch.bfloat16, return_lse=False):
+    """`cuflash.attention_fp8` as a custom op (traces under torch.compile); forward only."""
+    return_lse = api._check_flag("return_lse", return_lse)
+    causal, softmax_scale, window_left, window_right, _ = _features(q8, causal, softmax_scale, window, 0.0)
+    # a torch.dtype by its name: no NumPy dtype lookup for torch.compile to trace
+    name = str(out_dtype).removeprefix("torch.") if isinstance(out_dtype, torch.dtype) else out_dtype
+    out_dtype = getattr(torch, api._dtype_arg("out_dtype", name, api.FP8_OUT_DTYPES))
+    out, lse = _attention_fp8_fwd(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
+                                  window_right, out_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -146,4 +230,4 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_fp8", "quantize_fp8"]

@@ -75,6 +75,58 @@ def test_torch_entry_points_refuse_bad_arguments_by_name():
         ct.attention_varlen(x[0], x[0], x[0], cu, cu, 2.0, 2)
 
 
+def test_torch_fp8_ops_trace_under_compile_and_match_the_plain_functions():
+    """cuflash.torch's FP8 entry points are custom ops: torch.compile(fullgraph=True) traces them,
+    and their results are the framework-agnostic functions' (the reference's e4m3 simulation here)."""
+    import cuflash
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(4)
+    q = torch.tensor(_rand(rng, 2, 130, 4, 64), dtype=torch.bfloat16)
+    k, v = (torch.tensor(_rand(rng, 2, 150, 2, 64), dtype=torch.bfloat16) for _ in range(2))
+
+    def run(quantize, attention_fp8, attention):
+        (q8, qd), (k8, kd), (v8, vd) = (quantize(x, block=b, hadamard=h, seed=3) for x, b, h in
+                                        ((q, 128, True), (k, 128, True), (v, None, False)))
+        out, lse = attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, window=(40, -1), out_dtype=torch.float16,
+                                 return_lse=True)
+        return q8, qd, vd, out, lse, attention(q, k, v, fp8=True, hadamard=True, window=(7, 3), return_lse=True)
+
+    compiled = torch.compile(lambda: run(ct.quantize_fp8, ct.attention_fp8, ct.attention), backend="aot_eager",
+                             fullgraph=True)  # fullgraph: a break raises
+    got, want = compiled(), run(cuflash.quantize_fp8, cuflash.attention_fp8, cuflash.attention)
+    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (2, 4, 2) and got[2].shape == (2, 2)
+    assert got[3].dtype == torch.float16 and got[5][0].dtype == torch.bfloat16 and got[5][1].shape == (2, 4, 130)
+    for g, w in zip((*got[:5], *got[5]), (*want[:5], *want[5])):
+        assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                                                  w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+
+
+def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_name():
+    import cuflash.torch as ct
+
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^attention\(\.\.\., fp8=True\) is forward only"):
+        ct.attention(q, q, q, fp8=True)
+    with pytest.raises(ValueError, match="^quantize_fp8 is forward only"):
+        ct.quantize_fp8(q)
+    with torch.no_grad():
+        assert ct.attention(q, q, q, fp8=True).shape == q.shape  # no grad mode: allowed
+        with pytest.raises(ValueError, match="^deterministic=True is about the backward"):
+            ct.attention(q, q, q, fp8=True, deterministic=True)
+        with pytest.raises(ValueError, match="^hadamard=True .* needs fp8=True"):
+            ct.attention(q, q, q, hadamard=True)
+        with pytest.raises(ValueError, match="^block must be None"):
+            ct.quantize_fp8(q, block=64)
+        with pytest.raises(TypeError, match="^x must be a torch.Tensor"):
+            ct.quantize_fp8(np.zeros((1, 4, 2, 64)))
+        q8, qd = ct.quantize_fp8(q)
+        with pytest.raises(TypeError, match="^out_dtype must be one of"):
+            ct.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=torch.float32)
+        with pytest.raises(TypeError, match="^q8 must be float8_e4m3fn"):
+            ct.attention_fp8(q.detach(), q8, q8, qd, qd, qd)
+
+
 # ----------------------------------------------------------------------------- jax
 
 jax = pytest.importorskip("jax")

@@ -238,6 +238,29 @@ def test_fp8_attention_under_jax_jit_matches_torch():
 
 
 @hopper_only
+def test_fp8_torch_custom_ops_under_compile_match_the_plain_functions():
+    """cuflash.torch's FP8 custom ops under torch.compile(fullgraph=True), V^T workspace included
+    (head dim 256 beyond 512 query rows), give the plain functions' bits."""
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 900, 2, 256, device="cuda", generator=g, dtype=q.dtype) for _ in range(2))
+
+    def run(quantize, attention_fp8, attention):
+        (q8, qd), (k8, kd), (v8, vd) = (quantize(x, block=b) for x, b in ((q, None), (k, None), (v, 128)))
+        return (q8.view(torch.uint8), vd, *attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, return_lse=True),
+                *attention(q, k, v, fp8=True, hadamard=True, window=(300, 0), return_lse=True))
+
+    compiled = torch.compile(lambda: run(ct.quantize_fp8, ct.attention_fp8, ct.attention), fullgraph=True)
+    with torch.no_grad():
+        got = compiled()
+    want = run(cuflash.quantize_fp8, cuflash.attention_fp8, cuflash.attention)
+    for g_, w in zip(got, want):
+        assert g_.dtype == w.dtype and torch.equal(g_, w)
+
+
+@hopper_only
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fp8_true_on_cupy_arrays_matches_torch(dtype):
     """CuPy arrays (which cannot hold e4m3): attention(fp8=True) quantizes them into uint8 buffers of
