@@ -141,11 +141,14 @@ def _feature_keywords(scalars: tuple) -> dict:
     return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
 
 
-def _fp8_flags(fp8: Any, hadamard: Any) -> tuple[bool, bool]:
-    """attention's fp8 and hadamard flags, checked (hadamard only with fp8)."""
+def _fp8_flags(fp8: Any, hadamard: Any, deterministic: bool = False) -> tuple[bool, bool]:
+    """attention's fp8 and hadamard flags, checked (hadamard only with fp8; the differentiable entry
+    points' deterministic, already a checked flag, only without it)."""
     fp8, hadamard = _check_flag("fp8", fp8), _check_flag("hadamard", hadamard)
     if hadamard and not fp8:
         raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
+    if fp8 and deterministic:
+        raise ValueError("deterministic=True is about the backward, and fp8=True has none")
     return fp8, hadamard
 
 

@@ -6,7 +6,8 @@ is ordered after its producers on XLA's own stream, with no copy and no host syn
 
 `cuflash.jax.attention` and `attention_varlen` are the differentiable entry points: a
 `jax.custom_vjp` whose forward saves q, k, v, out and lse (never the score matrix) and whose
-backward is `attention_backward`, both through the same callback. Under `jax.vmap` the dense ops
+backward is `attention_backward`, both through the same callback. `attention(..., fp8=True)` is
+forward only: its custom_vjp's backward refuses by name. Under `jax.vmap` the dense ops
 fold the mapped axes into the batch (the callback sees them as leading dimensions; XLA's buffers
 are row-major, so the fold is a view); varlen ops run once per mapped element.
 """
@@ -138,17 +139,37 @@ def _attention_bwd(features, deterministic, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention_quantized(q, k, v, features, hadamard):
+    return api.attention(q, k, v, return_lse=True, fp8=True, hadamard=hadamard, **api._feature_keywords(features))
+
+
+def _attention_quantized_fwd(q, k, v, features, hadamard):
+    return _attention_quantized(q, k, v, features, hadamard), None
+
+
+def _attention_quantized_bwd(features, hadamard, residuals, cotangents):
+    raise ValueError("attention(..., fp8=True) is forward only (no gradient through e4m3 quantization): "
+                     "differentiate the 16-bit attention, or wrap the FP8 call in jax.lax.stop_gradient")
+
+
+_attention_quantized.defvjp(_attention_quantized_fwd, _attention_quantized_bwd)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
-              deterministic=False):
+              deterministic=False, fp8=False, hadamard=False):
     """`cuflash.attention` for JAX arrays, differentiable in q, k and v (jax.grad, jax.jit, jax.vmap;
     see `cuflash.attention` for the semantics). Returns out, or (out, lse) with return_lse=True;
     lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays).
-    deterministic=True makes the gradient bit-identical from run to run (`attention_backward`)."""
+    deterministic=True makes the gradient bit-identical from run to run (`attention_backward`).
+    fp8=True (and hadamard) as in `cuflash.attention`: forward only, jax.grad through it refuses."""
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
+    fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
-    out, lse = _attention(q, k, v, api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap),
-                          deterministic)
+    features = api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
+    out, lse = _attention_quantized(q, k, v, features, hadamard) if fp8 else _attention(q, k, v, features,
+                                                                                         deterministic)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 

@@ -183,10 +183,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
     features = _features(q, causal, softmax_scale, window, softcap)
-    fp8, hadamard = api._fp8_flags(fp8, hadamard)
+    fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
     if fp8:
-        if deterministic:
-            raise ValueError("deterministic=True is about the backward, and fp8=True has none")
         _forward_only("attention(..., fp8=True)", q, k, v)
         out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard)
     else:

@@ -188,3 +188,24 @@ def test_jax_vmap_folds_into_the_batch(x64):
     got = jax.vmap(lambda q: cj.attention_varlen(q, kv, kv, cu, cu, 4, 4))(qv)
     want = np.stack([reference.varlen_forward(np.asarray(q), np.asarray(kv), np.asarray(kv), cu, cu)[0] for q in qv])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_jax_fp8_true_is_the_plain_functions_forward_and_refuses_grad():
+    """cuflash.jax.attention(fp8=True): cuflash.attention(fp8=True)'s results (eager and under
+    jax.jit), and jax.grad through it refuses by name rather than differentiating the quantizer."""
+    import cuflash
+    import cuflash.jax as cj
+
+    rng = np.random.default_rng(7)
+    q, k, v = (jax.numpy.asarray(_rand(rng, 1, 40, 2, 64), dtype=jax.numpy.bfloat16) for _ in range(3))
+    kw = dict(causal=True, fp8=True, hadamard=True, return_lse=True)
+    want = cuflash.attention(q, k, v, **kw)
+    for got in (cj.attention(q, k, v, **kw), jax.jit(lambda q, k, v: cj.attention(q, k, v, **kw))(q, k, v)):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match=r"^attention\(\.\.\., fp8=True\) is forward only"):
+        jax.grad(lambda q: cj.attention(q, k, v, fp8=True).astype(jax.numpy.float32).sum())(q)
+    with pytest.raises(ValueError, match="^deterministic=True is about the backward"):
+        cj.attention(q, k, v, fp8=True, deterministic=True)
+    with pytest.raises(ValueError, match="^hadamard=True .* needs fp8=True"):
+        cj.attention(q, k, v, hadamard=True)

@@ -221,7 +221,10 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
 @hopper_only
 def test_fp8_attention_under_jax_jit_matches_torch():
     """JAX arrays on the GPU: attention(fp8=True) under jax.jit, where XLA allocates the outputs and
-    the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits."""
+    the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits; so does
+    cuflash.jax.attention(fp8=True)."""
+    import cuflash.jax as cj
+
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU backend here")
@@ -232,9 +235,10 @@ def test_fp8_attention_under_jax_jit_matches_torch():
                                            torch.bfloat16)), "this shape should take the pre-transposed row"
     want = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True)
     to_jax = lambda t: jax.dlpack.from_dlpack(t)
-    got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, causal=True, fp8=True, hadamard=True))(
-        to_jax(q), to_jax(k), to_jax(v))
-    assert torch.equal(torch.from_dlpack(got), want)
+    for attention in (cuflash.attention, cj.attention):
+        got = jax.jit(lambda a, b, c: attention(a, b, c, causal=True, fp8=True, hadamard=True))(
+            to_jax(q), to_jax(k), to_jax(v))
+        assert torch.equal(torch.from_dlpack(got), want)
 
 
 @hopper_only
