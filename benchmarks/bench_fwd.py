@@ -63,6 +63,17 @@ def fp8_tiles(text: str) -> dict[int, tuple[int, int, int, str, str, bool]]:
     return _tile_rows(text, FP8_FIELDS, optional=0)
 
 
+def _count(text: str) -> int:
+    """--graph: an int >= 0 (0: eager timing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of calls >= 0 (0 times eager calls)")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -76,7 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", default="0,1", type=lambda s: [bool(int(x)) for x in s.split(",")])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--graph", type=int, default=0, metavar="CALLS",
+    parser.add_argument("--graph", type=_count, default=0, metavar="CALLS",
                         help="time CUDA graphs of CALLS calls each, replayed interleaved, instead of eager calls "
                         "(PyTorch only): rows of ~100 us are host-bound when timed eagerly")
     parser.add_argument("--tiles", default=None, help="fwd_sm80 tiles to time instead of the table's, "

@@ -109,7 +109,9 @@ def _finite_float(name: str, value: Any, expected: str) -> float:
         result = float(value)
     except OverflowError:
         result = math.inf
-    if not math.isfinite(result):
+    # a comparison, not math.isfinite: under torch.compile(dynamic=True) a Python float argument is
+    # symbolic, and dynamo can guard on a comparison but not trace isfinite (NaN compares False)
+    if not abs(result) < math.inf:
         raise ValueError(f"{name} must be {expected}; got {value!r}")
     return result
 
@@ -452,6 +454,22 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     return _quantize_fp8(x, block, hadamard, seed, cupy_bits=False)
 
 
+def _quantize_options(block: Any, hadamard: Any, seed: Any) -> tuple[int | None, bool, int]:
+    """quantize_fp8's block, hadamard and seed, checked: (block, hadamard, seed) as plain Python values."""
+    expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
+                f"scales per {FP8_BLOCK} rows)")
+    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
+        raise TypeError(f"block must be {expected}; got {block!r}")
+    if block is not None and block != FP8_BLOCK:
+        raise ValueError(f"block must be {expected}; got {block!r}")
+    transform = _check_flag("hadamard", hadamard)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int >= 0; got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+    return None if block is None else FP8_BLOCK, bool(transform), int(seed)
+
+
 def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
     """quantize_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes CuPy x, whose x8
     holds e4m3 bits in a uint8 array (arrays.CUPY_E4M3_BITS) that never reaches the caller."""
@@ -466,17 +484,7 @@ def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
         _check_rank(info, 4, _ATTENTION_LAYOUT)
         _check_unit_last_stride(info)
         _check_dtype_supported("quantize_fp8", info)
-        expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
-                    f"scales per {FP8_BLOCK} rows)")
-        if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
-            raise TypeError(f"block must be {expected}; got {block!r}")
-        if block is not None and block != FP8_BLOCK:
-            raise ValueError(f"block must be {expected}; got {block!r}")
-        transform = _check_flag("hadamard", hadamard)
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int >= 0; got {seed!r}")
-        if seed < 0:
-            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        _, transform, _ = _quantize_options(block, hadamard, seed)
         batch, seqlen, nheads, headdim = info.shape
         if transform:
             _check_hadamard_headdim("x", headdim)

@@ -223,9 +223,6 @@ class _CuPy:
     def synchronize(self):
         self.cupy.cuda.Device().synchronize()
 
-    def graph(self, call, calls: int):
-        raise NotImplementedError("graph timing is built on torch.cuda.graph: it needs PyTorch with CUDA")
-
     def max_abs_diff(self, a, b) -> float:
         return float(abs(a.astype(self.cupy.float32) - b.astype(self.cupy.float32)).max())
 
@@ -317,7 +314,10 @@ def time_interleaved(xp, impls: dict, reps: int, warmup: int, calls_per_timing: 
 
 def time_graphs(xp, impls: dict, reps: int, warmup: int, calls: int) -> dict[str, list[float]]:
     """As time_interleaved, with each implementation's `calls` calls captured in one CUDA graph and each
-    repetition one replay. A peer whose calls cannot be captured is left out with a message."""
+    repetition one replay (PyTorch only: torch.cuda.graph). A peer whose calls cannot be captured is
+    left out with a message."""
+    if xp.name != "torch":
+        raise NotImplementedError("graph timing is built on torch.cuda.graph: it needs PyTorch with CUDA")
     replays = {}
     for name, call in impls.items():
         try:

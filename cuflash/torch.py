@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-from . import api
+from . import api, reference
 
-# Features travel through the ops as plain scalars (the custom-op schema has no tuples or None):
+# Features travel through the ops as plain scalars (no tuples or None in their schemas, by choice):
 # api._feature_scalars checks them once. The forward ops take `deterministic` too, unused there,
 # so that their autograd rule can hand it to the backward op.
 
@@ -127,7 +127,7 @@ def _quantize_fp8(x: torch.Tensor, block: Optional[int], hadamard: bool, seed: i
 @_quantize_fp8.register_fake
 def _(x, block, hadamard, seed):
     batch, seqlen, nheads, _ = x.shape
-    descale = (batch, nheads) if block is None else (batch, nheads, -(-seqlen // block))
+    descale = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(descale, dtype=torch.float32)
 
 
@@ -166,10 +166,14 @@ def _forward_only(what: str, *tensors) -> None:
                          "torch.no_grad() or torch.inference_mode(), or on tensors that do not require grad")
 
 
+def _check_tensor(name: str, x, plain: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor for cuflash.torch; got {type(x).__module__}."
+                        f"{type(x).__qualname__} (cuflash.{plain} takes any framework's arrays)")
+
+
 def _features(q, causal, softmax_scale, window, softcap) -> tuple:
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor for cuflash.torch; got {type(q).__module__}.{type(q).__qualname__} "
-                        "(cuflash.attention takes any framework's arrays)")
+    _check_tensor("q", q, "attention")
     return api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
 
 
@@ -193,19 +197,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
 
 
 def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
-    """`cuflash.quantize_fp8` as a custom op (traces under torch.compile); forward only."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor for cuflash.torch; got {type(x).__module__}.{type(x).__qualname__} "
-                        "(cuflash.quantize_fp8 takes any framework's arrays)")
+    """`cuflash.quantize_fp8` as a custom op (traces under torch.compile); forward only. seed must
+    fit the op schema's int64."""
+    _check_tensor("x", x, "quantize_fp8")
     _forward_only("quantize_fp8", x)
-    # block and seed reach cuflash.quantize_fp8 as they are, which checks them (when traced, at run time)
-    return _quantize_fp8(x, block, api._check_flag("hadamard", hadamard), seed)
+    block, hadamard, seed = api._quantize_options(block, hadamard, seed)  # checked here, before the schema casts
+    if seed >= 2**63:
+        raise ValueError(f"seed must be below 2**63 for cuflash.torch.quantize_fp8 (an int64 in its op); got {seed}")
+    return _quantize_fp8(x, block, hadamard, seed)
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
                   out_dtype=torch.bfloat16, return_lse=False):
     """`cuflash.attention_fp8` as a custom op (traces under torch.compile); forward only."""
     return_lse = api._check_flag("return_lse", return_lse)
+    _check_tensor("q8", q8, "attention_fp8")
+    _forward_only("attention_fp8", q8, k8, v8, q_descale, k_descale, v_descale)
     causal, softmax_scale, window_left, window_right, _ = _features(q8, causal, softmax_scale, window, 0.0)
     # a torch.dtype by its name: no NumPy dtype lookup for torch.compile to trace
     name = str(out_dtype).removeprefix("torch.") if isinstance(out_dtype, torch.dtype) else out_dtype

@@ -60,6 +60,9 @@ def test_torch_compile_has_no_graph_break_and_lse_is_not_differentiable():
     loss(q, k, v)[0].backward()
     for got, want in zip(grads, (x.grad for x in (q, k, v))):
         torch.testing.assert_close(got, want)
+    # symbolic shapes and floats (dynamic=True): the scalar checks trace there too
+    dynamic = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(dynamic(q, k, v)[0], value)
 
 
 def test_torch_entry_points_refuse_bad_arguments_by_name():
@@ -92,14 +95,34 @@ def test_torch_fp8_ops_trace_under_compile_and_match_the_plain_functions():
                                  return_lse=True)
         return q8, qd, vd, out, lse, attention(q, k, v, fp8=True, hadamard=True, window=(7, 3), return_lse=True)
 
-    compiled = torch.compile(lambda: run(ct.quantize_fp8, ct.attention_fp8, ct.attention), backend="aot_eager",
-                             fullgraph=True)  # fullgraph: a break raises
-    got, want = compiled(), run(cuflash.quantize_fp8, cuflash.attention_fp8, cuflash.attention)
-    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (2, 4, 2) and got[2].shape == (2, 2)
-    assert got[3].dtype == torch.float16 and got[5][0].dtype == torch.bfloat16 and got[5][1].shape == (2, 4, 130)
-    for g, w in zip((*got[:5], *got[5]), (*want[:5], *want[5])):
-        assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                                                  w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+    want = run(cuflash.quantize_fp8, cuflash.attention_fp8, cuflash.attention)
+    for dynamic in (False, True):  # dynamic: symbolic shapes (the head dim is read as a plain int)
+        compiled = torch.compile(lambda: run(ct.quantize_fp8, ct.attention_fp8, ct.attention), backend="aot_eager",
+                                 fullgraph=True, dynamic=dynamic)  # fullgraph: a break raises
+        got = compiled()
+        assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (2, 4, 2) and got[2].shape == (2, 2)
+        assert got[3].dtype == torch.float16 and got[5][0].dtype == torch.bfloat16 and got[5][1].shape == (2, 4, 130)
+        for g, w in zip((*got[:5], *got[5]), (*want[:5], *want[5])):
+            assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                                                      w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+
+
+def test_torch_fp8_ops_fake_implementations_agree_with_the_real_ones():
+    """torch.library.opcheck: each FP8 op's fake (what torch.compile traces with) gives the real op's
+    shapes, dtypes and strides. (Its schema test runs ops on CPU float8 tensors, which torch cannot
+    multiply: left out for attention_fp8_fwd.)"""
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(8)
+    q = torch.tensor(_rand(rng, 1, 130, 4, 64), dtype=torch.bfloat16)
+    k = torch.tensor(_rand(rng, 1, 70, 2, 64), dtype=torch.bfloat16)
+    ops = torch.ops.cuflash
+    for block, hadamard in ((None, False), (128, True)):
+        torch.library.opcheck(ops.quantize_fp8.default, (q, block, hadamard, 3))
+    (q8, qd), (k8, kd) = ct.quantize_fp8(q, block=128), ct.quantize_fp8(k)
+    torch.library.opcheck(ops.attention_fp8_fwd.default, (q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+    torch.library.opcheck(ops.attention_quantized_fwd.default, (q, k, k, True, 0.125, 5, -1, 0.0, True))
 
 
 def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_name():
@@ -118,6 +141,12 @@ def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_nam
             ct.attention(q, q, q, hadamard=True)
         with pytest.raises(ValueError, match="^block must be None"):
             ct.quantize_fp8(q, block=64)
+        with pytest.raises(TypeError, match="^block must be None"):  # not cast to 1 by the op's schema
+            ct.quantize_fp8(q, block=True)
+        with pytest.raises(TypeError, match="^seed must be an int >= 0"):
+            ct.quantize_fp8(q, seed=True)
+        with pytest.raises(ValueError, match="^seed must be below 2\\*\\*63"):
+            ct.quantize_fp8(q, seed=2**70)
         with pytest.raises(TypeError, match="^x must be a torch.Tensor"):
             ct.quantize_fp8(np.zeros((1, 4, 2, 64)))
         q8, qd = ct.quantize_fp8(q)
@@ -125,6 +154,10 @@ def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_nam
             ct.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=torch.float32)
         with pytest.raises(TypeError, match="^q8 must be float8_e4m3fn"):
             ct.attention_fp8(q.detach(), q8, q8, qd, qd, qd)
+        with pytest.raises(TypeError, match="^q8 must be a torch.Tensor"):
+            ct.attention_fp8(np.zeros((1, 4, 2, 64)), q8, q8, qd, qd, qd)
+    with pytest.raises(ValueError, match="^attention_fp8 is forward only"):  # a descale autograd would follow
+        ct.attention_fp8(q8, q8, q8, qd, qd, qd.clone().requires_grad_())
 
 
 # ----------------------------------------------------------------------------- jax

@@ -53,7 +53,11 @@ def test_fp8_tiles_takes_every_field(text):
         _bench_fwd().fp8_tiles(text)
 
 
-def test_graph_timing_is_refused_for_the_jax_peer(tmp_path, capsys):
+def test_graph_timing_is_refused_for_the_jax_peer_and_counts_calls(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _bench_fwd().main(["--out", str(tmp_path), "--jax", "--graph", "20"])
     assert "--graph times the torch process" in capsys.readouterr().err
+    for bad in ("-3", "x"):
+        with pytest.raises(SystemExit):
+            _bench_fwd().main(["--out", str(tmp_path), "--graph", bad])
+        assert "expected a number of calls >= 0" in capsys.readouterr().err

@@ -177,13 +177,15 @@ def test_report_marks_unsteady_rows():
 def test_report_says_graph_timing():
     document = _document({"cuflash": 600, "torch-cudnn": 640})
     assert "CUDA graph" not in report.render([document])
-    document["meta"]["graph_calls"] = 20
-    assert "median of 20 interleaved repetitions, each a CUDA graph replay of 20 calls" in report.render([document])
+    document["meta"]["graph_calls"] = 7
+    assert "median of 20 interleaved repetitions, each a CUDA graph replay of 7 calls" in report.render([document])
 
 
 class _FakeTiming:
     """Events whose every interval reads 6 ms, and graphs that make their calls when replayed (the
     capture of `uncapturable` fails as a peer's would)."""
+
+    name = "torch"
 
     def __init__(self, uncapturable=()):
         self.uncapturable, self.calls = uncapturable, []
@@ -214,6 +216,9 @@ def test_graph_timing_counts_per_call_and_leaves_out_uncapturable_peers():
     assert bench.time_interleaved(xp, {"cuflash": cuflash_call}, reps=2, warmup=0) == {"cuflash": [6.0, 6.0]}
     xp.uncapturable = (cuflash_call,)
     with pytest.raises(RuntimeError, match="capturing"):  # cuflash's own launches must capture
+        bench.time_graphs(xp, {"cuflash": cuflash_call}, reps=1, warmup=0, calls=2)
+    xp.name = "cupy"
+    with pytest.raises(NotImplementedError, match="needs PyTorch"):
         bench.time_graphs(xp, {"cuflash": cuflash_call}, reps=1, warmup=0, calls=2)
 
 

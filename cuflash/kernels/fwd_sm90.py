@@ -127,9 +127,10 @@ FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
 # block, so they keep 128 keys. (V^T's second swizzle atom holds the block's last 32 or 64 keys; its
 # TMA box brings 128.) Measured on H100 beside the 128-key row: 192 keys at 128 (three
 # alternations, session 24) +2-4% non-causal 4k-16k, +3-5% causal 16k, causal 4k +1%; 160 keys at
-# 64 (FA3's choice there; three consumers still fit their 160 registers, where 192 keys spill; two
-# alternations, session 25) +1-2% non-causal 4k-16k, +1.5-3.5% causal 8k-16k
-# (benchmarks/NOTES-fp8.md).
+# 64 (FA3's choice there; three consumers still fit their 160 registers, where 192 keys spill;
+# graph timing, two alternations, session 26) +2% / +4% non-causal 8k / 16k, +5% / +4% causal
+# (benchmarks/NOTES-fp8.md). (224 keys at 128, FA3's block there, fit but measured within the
+# noise of 192: session 26.)
 FP8_PER_HEAD_TILES = {64: (3, 160, 2, "pingpong", "overlap", True), 128: (2, 192, 2, "free", "overlap", True)}
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
