@@ -31,7 +31,8 @@ _CONTIGUOUS_FIX = {
 @dataclass(frozen=True)
 class Device:
     """Where an array lives: ("cpu", 0) or ("cuda", ordinal). JAX tracers have no concrete
-    device at trace time; they are described by the platform of JAX's default backend."""
+    device at trace time; they are described by `jax.default_device`'s when one is set, else by
+    the platform of JAX's default backend (_jax_trace_device)."""
 
     kind: str
     index: int = 0
@@ -139,12 +140,11 @@ def describe(name: str, x: Any) -> ArrayInfo:
             raise ValueError(f"{name} is on torch device {dev}; cuflash runs on 'cpu' (reference) or 'cuda'")
         device = Device("cuda", dev.index if dev.index is not None else 0) if dev.type == "cuda" else Device("cpu")
         return ArrayInfo(name, framework, device, _dtype_name(framework, x.dtype), shape, tuple(x.stride()))
-    # JAX: arrays are dense and row-major; a tracer has no device, so take the default backend's.
+    # JAX: arrays are dense and row-major; a tracer has no device, so take the default one.
     jax = _module("jax")
     traced = isinstance(x, jax.core.Tracer)
     if traced:
-        platform = jax.default_backend()
-        device = Device("cuda" if platform in ("gpu", "cuda") else "cpu")
+        device = _jax_trace_device(jax)
     else:
         devices = x.devices()
         if len(devices) != 1:
@@ -153,6 +153,20 @@ def describe(name: str, x: Any) -> ArrayInfo:
         device = Device("cuda", d.id) if d.platform in ("gpu", "cuda") else Device("cpu")
     return ArrayInfo(name, framework, device, _dtype_name(framework, x.dtype), shape,
                      contiguous_strides(shape), traced=traced)
+
+
+def _jax_trace_device(jax) -> Device:
+    """Where JAX will run a traced computation of uncommitted arrays: the device `jax.default_device`
+    set (a Device or a platform name), else the default backend's first. (Inputs committed to
+    another device move it; the callback then sees where its buffers are: cuflash/jax.py.)"""
+    default = jax.config.jax_default_device
+    if default is None:
+        platform, index = jax.default_backend(), 0
+    elif isinstance(default, str):
+        platform, index = default, 0
+    else:
+        platform, index = default.platform, default.id
+    return Device("cuda", index) if platform in ("gpu", "cuda") else Device("cpu")
 
 
 def signature(x: Any) -> tuple | None:

@@ -1,4 +1,4 @@
-"""Test configuration: hypothesis profiles and the `gpu` marker.
+"""Test configuration: hypothesis profiles, the `gpu` marker, and JAX's CPU device for CPU tests.
 
 Profiles (choose with --hypothesis-profile=NAME; `ci` is the default):
   ci       300 examples per property, derandomized: the same examples every run (CI).
@@ -7,6 +7,7 @@ Profiles (choose with --hypothesis-profile=NAME; `ci` is the default):
   gpu      derandomized profile for the GPU suites (examples set per test).
 """
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,6 +37,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def jax_on_its_cpu_in_cpu_tests(request):
+    """Tests not marked gpu hold JAX arrays to the NumPy reference (float64 among them): they run on
+    JAX's CPU device also where JAX has a GPU (the lent machine's), whose kernels take 16-bit inputs
+    only. GPU tests choose their devices themselves."""
+    jax = sys.modules.get("jax")  # imported by the test modules that use it
+    if jax is None or request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture

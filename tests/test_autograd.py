@@ -165,14 +165,6 @@ def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_nam
 jax = pytest.importorskip("jax")
 
 
-@pytest.fixture(autouse=True)
-def jax_on_cpu():
-    """These tests hold the wrappers to the NumPy reference in float64: JAX arrays on its CPU device,
-    also where JAX has a GPU (the lent machine's), whose kernels take 16-bit inputs only."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
 @pytest.fixture
 def x64():
     jax.config.update("jax_enable_x64", True)

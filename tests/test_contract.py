@@ -829,6 +829,24 @@ def test_jax_cpu(dtype, jit):
             np.testing.assert_array_equal(np.asarray(r), e)
 
 
+def test_jax_tracers_take_the_default_device_jax_will_run_them_on(monkeypatch):
+    """A tracer has no device: it is described by jax.default_device's when one is set (on a GPU
+    machine a computation of CPU arrays under jax.default_device(cpu) runs on the CPU), else by the
+    default backend's. Simulated GPU backend: this machine's JAX has only its CPU."""
+    from cuflash import arrays
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    seen = []
+    probe = lambda x: seen.append(arrays.describe("q", x).device) or x  # noqa: E731
+    with jax.default_device(None):  # none set (conftest sets JAX's CPU for CPU tests)
+        jax.jit(probe)(jax.numpy.zeros(2))
+    with jax.default_device(jax.devices("cpu")[0]):
+        jax.jit(probe)(jax.numpy.ones(3))
+    with jax.default_device("cpu"):  # a platform name
+        jax.jit(probe)(jax.numpy.ones(4))
+    assert [str(d) for d in seen] == ["cuda:0", "cpu", "cpu"]
+
+
 @pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
 def test_varlen_zero_length_sequences(framework):
     conv = CONVERT[framework]
