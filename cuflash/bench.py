@@ -359,7 +359,8 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
             deciles = statistics.quantiles(ts, n=10)
             rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops(backward) / ms / 1e9,
                              spread_p10_p90=(deciles[-1] - deciles[0]) / ms, backward=backward,
-                             max_abs_diff_vs_first=errors[name], graph_calls=graph_calls, **(annotate(name, config) if annotate else {}),
+                             max_abs_diff_vs_first=errors[name], graph_calls=graph_calls,
+                             **(annotate(name, config) if annotate else {}),
                              **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])
         clock = f"{state['sm_clock_mhz']} MHz {state['temperature_c']} C" if state["sm_clock_mhz"] else "clock unknown"

@@ -4,11 +4,11 @@
 autograd and fake (shape-only) implementations, so they work under autograd and `torch.compile`
 without graph breaks. The FP8 path (`quantize_fp8`, `attention_fp8` and `attention(..., fp8=True)`)
 is custom ops too, forward only: it traces under `torch.compile`, and refuses inputs that require
-grad (e4m3 quantization has no gradient here). Each op calls the framework-agnostic function of `cuflash.api`: CUDA tensors
-run cuflash's kernels on torch's current stream with outputs allocated by torch; CPU tensors run the
-NumPy reference (which is how CI checks the gradients). The forward saves q, k, v, out and lse for
-the backward, never the score matrix. lse, when returned, is not differentiable (like
-FlashAttention's): gradients flow through out only.
+grad (e4m3 quantization has no gradient here). Each op calls the framework-agnostic function of
+`cuflash.api`: CUDA tensors run cuflash's kernels on torch's current stream with outputs allocated
+by torch; CPU tensors run the NumPy reference (which is how CI checks the gradients). The forward
+saves q, k, v, out and lse for the backward, never the score matrix. lse, when returned, is not
+differentiable (like FlashAttention's): gradients flow through out only.
 """
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ _attention_varlen_fwd.register_autograd(_grad_varlen, setup_context=_save_varlen
 
 
 @torch.library.custom_op("cuflash::quantize_fp8", mutates_args=())
-def _quantize_fp8(x: torch.Tensor, block: Optional[int], hadamard: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_fp8(x: torch.Tensor, block: Optional[int], hadamard: bool,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return api.quantize_fp8(x, block=block, hadamard=hadamard, seed=seed)
 
 
@@ -134,7 +135,8 @@ def _(x, block, hadamard, seed):
 @torch.library.custom_op("cuflash::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
                        k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                       window_left: int, window_right: int,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
                              window=(window_left, window_right), out_dtype=out_dtype, return_lse=True)
 
