@@ -279,7 +279,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // second of a 160- or 192-key block holds 32 or 64 of them; its TMA box brings 128 keys, the GEMM
   // reads those).
   constexpr int kVKeyAtoms = (kBlockN + 127) / 128;
-  constexpr unsigned kVBytes = kFp8 ? kHeadDim * kVKeyAtoms * 128 : kKBytes;
+  constexpr unsigned kVAtomBytes = kHeadDim * 128;  // e4m3 V^T: one 128-key swizzle atom, kHeadDim rows
+  constexpr unsigned kVBytes = kFp8 ? kVKeyAtoms * kVAtomBytes : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
   // O staged in shared memory goes out by TMA stores that one thread a warpgroup issues (dense: a
@@ -543,7 +544,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             mbarrier_arrive_expect_tx(v_full(slot), kVBytes);
 #pragma unroll
             for (int a = 0; a < kVKeyAtoms; ++a) {
-              tma_load_4d(sV + slot * kVBytes + a * kHeadDim * 128, &p.v_map, v_full(slot), n * kBlockN + a * 128, 0,
+              tma_load_4d(sV + slot * kVBytes + a * kVAtomBytes, &p.v_map, v_full(slot), n * kBlockN + a * 128, 0,
                           h_kv, t.b);
             }
           } else {
@@ -751,7 +752,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           if constexpr (kFp8) {
             // (32-byte k steps within a 128-key atom of V^T, then the next atom)
             constexpr int kAtomSteps = 128 / 32;
-            const unsigned step = (kk / kAtomSteps) * (kHeadDim * 128 >> 4) + (kk % kAtomSteps) * (32 >> 4);
+            const unsigned step = (kk / kAtomSteps) * (kVAtomBytes >> 4) + (kk % kAtomSteps) * (32 >> 4);
             Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
           } else {
             Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);

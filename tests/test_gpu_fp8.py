@@ -223,11 +223,11 @@ def test_fp8_attention_under_jax_jit_matches_torch():
     """JAX arrays on the GPU: attention(fp8=True) under jax.jit, where XLA allocates the outputs and
     the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits; so does
     cuflash.jax.attention(fp8=True)."""
-    import cuflash.jax as cj
-
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU backend here")
+    import cuflash.jax as cj
+
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(1, 700, 4, 256, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 900, 2, 256, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
