@@ -389,9 +389,10 @@ def _varlen_cases():
             **{cu: torch.tensor([0, total, 2, total], dtype=torch.int32)})
         bad(VARLEN, f"{cu}-float32", TypeError, rf"^{cu} must be int32 .*got dtype float32", fw="jax",
             **{cu: lambda a, cu=cu: a[cu].astype(jnp.float32)})
-        bad(VARLEN, f"{cu}-start-1", ValueError, rf"^{cu} must start at 0; got 1", fw="jax", **{cu: jnp.array([1, 2, total], jnp.int32)})
+        bad(VARLEN, f"{cu}-start-1", ValueError, rf"^{cu} must start at 0; got 1", fw="jax",
+            **{cu: lambda a: jnp.array([1, 2, total], jnp.int32)})  # made in the test: on its (CPU) device
         bad(VARLEN, f"{cu}-last", ValueError, rf"^{cu}\[-1\] = 1 must equal the packed length {total}", fw="jax",
-            **{cu: jnp.array([0, 1, 1], jnp.int32)})
+            **{cu: lambda a: jnp.array([0, 1, 1], jnp.int32)})
         bad(VARLEN, f"{mx}-too-small", ValueError, rf"^{mx} = 1 is smaller than the longest sequence in {cu}", fw="jax", **{mx: 1})
     bad(VARLEN, "cu_seqlens-different-lengths", ValueError,
         r"^cu_seqlens_k describes 2 sequences but cu_seqlens_q describes 1; they must have the same length",
