@@ -1,116 +1,224 @@
 // FP8 quantization for attention inputs (cuflash.quantize_fp8): x (batch, seqlen, nheads, headdim)
 // fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 (at least
-// the smallest normal float) over each group of rows of a head: the whole head (block == 0,
-// descale (batch, nheads)) or blocks of `block` rows (block == 128 from cuflash: descale (batch,
-// nheads, nblocks), nblocks = ceil(seqlen / block), one scale per block, the last block possibly
-// short). kHadamard first multiplies every row by diag(signs) H / sqrt(headdim) (H the Sylvester
-// Hadamard matrix, headdim == kHeadDim a power of two): the semantics are reference.quantize_fp8's.
+// the smallest normal float) over each group of rows of a head: blocks of kBlockRows rows (descale
+// (batch, nheads, nblocks), nblocks = ceil(seqlen / kBlockRows), the last block possibly short) or
+// the whole head (descale (batch, nheads)). kHadamard first multiplies every row by
+// diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix, headdim == kHeadDim a power of
+// two): the semantics are reference.quantize_fp8's.
 //
-// One CTA per (group, head, batch), writing the group's one descale; one warp per row at a time,
-// lane l holding elements [l * kE, l * kE + kE) (kE = kHeadDim / 32). Two passes over the group's
-// rows: the first finds the amax (of the transformed rows), the second converts; the rows are
-// read twice (the second time mostly from L2) rather than held, so any group length works. The
-// transform is the fast Walsh-Hadamard butterfly: strides below kE within a lane's registers, the
-// others across lanes with shuffles.
+// A CTA takes kItemsPerCta (block of kBlockRows rows, head) items of one batch entry (blockIdx.y),
+// item i being block i / nheads of head i % nheads: the heads of a block next to each other, so
+// CTAs running together read whole token rows of x, not one head's slice of rows far apart. A
+// thread holds kChunk consecutive elements (16 bytes of x) of kRowsPerThread rows of an item, all
+// loaded before any is used, and prefetches its rows of the next item into L2 while it works on
+// these: x is read from memory once. The amax is a CTA reduction over the held (transformed)
+// values, which are then converted from registers. The transform is the fast Walsh-Hadamard
+// butterfly: strides below kChunk within a thread, the others across the row's kHeadDim / kChunk
+// lanes with shuffles (log2(kHeadDim / kChunk) of them an element).
+//
+// Scales per head take two launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax writes
+// each block's amax to a workspace, kHeadConvert reduces its head's block amaxes and converts.
 #include "common/types.cuh"
 
 namespace cuflash {
 
 constexpr float kE4m3Max = 448.f;
 constexpr float kSmallestNormal = 1.17549435e-38f;  // FLT_MIN, 2^-126
+constexpr int kBlockRows = 128;                     // reference.FP8_BLOCK
+
+// QuantizeFp8Params::pass
+constexpr int kBlockScales = 0;  // one launch: descale per block
+constexpr int kHeadAmax = 1;     // per head, first launch: block_amax per block
+constexpr int kHeadConvert = 2;  // per head, second launch: descale per head from block_amax, and x8
 
 struct QuantizeFp8Params {
   const void* x;
   unsigned char* x8;
   float* descale;
+  float* block_amax;                                 // per head: (batch, nheads, nblocks) workspace
   long long x_stride_b, x_stride_s, x_stride_h;      // elements
   long long x8_stride_b, x8_stride_s, x8_stride_h;   // elements (bytes)
   unsigned long long signs[4];                       // bit j set: element j of a row is negated
-  int seqlen, nheads, headdim, block;                // block: rows per scale, 0 for the whole head
+  int seqlen, nheads, headdim, pass;
 };
-static_assert(sizeof(QuantizeFp8Params) == 120, "keep in step with cuflash/kernels/quantize_fp8.py");
+static_assert(sizeof(QuantizeFp8Params) == 128, "keep in step with cuflash/kernels/quantize_fp8.py");
 
-template <typename T, int kHeadDim, bool kHadamard>
-__device__ __forceinline__ void load_row(const QuantizeFp8Params& p, const T* row, int lane, float (&v)[kHeadDim / 32]) {
-  constexpr int kE = kHeadDim / 32;
+constexpr int kChunk = 8;  // elements a thread holds of each of its rows: one 16-byte load
+
+// Threads of a CTA: a row takes kHeadDim / kChunk of them, and each holds kRowsPerThread rows.
+constexpr int kRowsPerThread = 4;
+__host__ __device__ constexpr int quantize_threads(int head_dim) {
+  return kBlockRows / kRowsPerThread * (head_dim / kChunk);
+}
+
+// The kChunk elements of x at `at` as floats; kVectorLoads: one 16-byte load (the row is 16-byte
+// aligned), else element by element.
+template <typename T, bool kVectorLoads>
+__device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk]) {
+  static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
+  T e[kChunk];
+  if constexpr (kVectorLoads) {
+    *reinterpret_cast<uint4*>(e) = *reinterpret_cast<const uint4*>(at);
+  } else {
 #pragma unroll
-  for (int e = 0; e < kE; ++e) {
-    const int j = lane * kE + e;
-    v[e] = j < p.headdim ? to_float(row[j]) : 0.f;
+    for (int i = 0; i < kChunk; ++i) e[i] = at[i];
   }
-  if constexpr (kHadamard) {
 #pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      const int j = lane * kE + e;
-      if ((p.signs[j / 64] >> (j % 64)) & 1ull) v[e] = -v[e];
-    }
-#pragma unroll
-    for (int s = 1; s < kE; s *= 2) {  // partners in this lane's registers
-#pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        if (e & s) continue;
-        const float a = v[e], b = v[e + s];
-        v[e] = a + b;
-        v[e + s] = a - b;
-      }
-    }
-#pragma unroll
-    for (int s = kE; s < kHeadDim; s *= 2) {  // partners in lane ^ (s / kE)
-      const bool upper = lane & (s / kE);
-#pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[e], s / kE);
-        v[e] = upper ? other - v[e] : v[e] + other;
-      }
-    }
-    const float norm = rsqrtf(static_cast<float>(kHeadDim));
-#pragma unroll
-    for (int e = 0; e < kE; ++e) v[e] *= norm;
+  for (int i = 0; i < kChunk; ++i) v[i] = to_float(e[i]);
+}
+
+// x / descale rounded as the reference rounds it (not x times 1 / descale), without a division
+// per element: with r = RN(1 / descale) and q = RN(x r) within an ulp of the quotient,
+// q + RN(x - q descale) r (the remainder exact in an FMA) is RN(x / descale) (Markstein's theorem)
+// for a finite descale and |x / descale| <= 448. (-ftz flushes remainders below FLT_MIN, so with a
+// descale under about 2^-90 the quotient may be an fp32 ulp off, which changes an e4m3 code only at
+// a tie.) An infinite descale (from an infinite x) takes the division itself, for its NaNs and zeros.
+template <bool kFiniteDescale>
+__device__ __forceinline__ float divide(float x, float descale, float r) {
+  if constexpr (kFiniteDescale) {
+    const float q = x * r;
+    return fmaf(fmaf(-q, descale, x), r, q);
+  } else {
+    return x / descale;
   }
 }
 
-template <typename T, int kHeadDim, bool kHadamard, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps) quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
-  static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
-                "a power-of-two head dim of 64 to 256: an even number of elements per lane");
-  constexpr int kE = kHeadDim / 32;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int row0 = p.block ? blockIdx.x * p.block : 0;
-  const int row1 = p.block ? min(row0 + p.block, p.seqlen) : p.seqlen;
-  const T* x = static_cast<const T*>(p.x) + b * p.x_stride_b + h * p.x_stride_h;
-
-  float amax = 0.f;
-  for (int r = row0 + warp; r < row1; r += kWarps) {
-    float v[kE];
-    load_row<T, kHeadDim, kHadamard>(p, x + r * p.x_stride_s, lane, v);
+// A thread's rows row0, row0 + row_step, ... (those below seqlen) of x / descale to e4m3, a chunk
+// (8 bytes: x8 is cuflash's, contiguous, so 8-byte aligned) a row.
+template <bool kFiniteDescale, int kRows>
+__device__ __forceinline__ void store_codes(const float (&v)[kRows][kChunk], float descale, unsigned char* x8,
+                                            long long x8_stride_s, int row0, int row_step, int seqlen) {
+  const float r = 1.f / descale;
 #pragma unroll
-    for (int e = 0; e < kE; ++e) amax = fmaxf(amax, fabsf(v[e]));
+  for (int i = 0; i < kRows; ++i) {
+    const int row = row0 + i * row_step;
+    if (row >= seqlen) break;
+    float q[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) q[e] = divide<kFiniteDescale>(v[i][e], descale, r);
+    *reinterpret_cast<uint2*>(x8 + row * x8_stride_s) = make_uint2(pack4_e4m3(q[0], q[1], q[2], q[3]),
+                                                                   pack4_e4m3(q[4], q[5], q[6], q[7]));
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  __shared__ float warp_amax[kWarps];
-  if (lane == 0) warp_amax[warp] = amax;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
-  // At least the smallest normal float: a smaller descale is flushed to zero here (the module is
-  // compiled with -ftz), which would turn the division below into inf / NaN.
-  const float descale = amax > 0.f ? fmaxf(amax / kE4m3Max, kSmallestNormal) : 1.f;
+}
 
-  unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
-  const int nblocks = p.block ? (p.seqlen + p.block - 1) / p.block : 1;  // == gridDim.x
-  if (threadIdx.x == 0) p.descale[(static_cast<long long>(b) * p.nheads + h) * nblocks + blockIdx.x] = descale;
-  for (int r = row0 + warp; r < row1; r += kWarps) {
-    float v[kE];
-    load_row<T, kHeadDim, kHadamard>(p, x + r * p.x_stride_s, lane, v);
-    unsigned char* out = x8 + r * p.x8_stride_s + lane * kE;
-    if (lane * kE < p.headdim) {  // a head dim below kHeadDim (a multiple of 8) ends on a lane boundary
+// The (block, head) items a CTA takes one after the other, prefetching each next one into L2 while
+// it converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
+constexpr int kItemsPerCta = 4;
+
+__device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
+
+// diag(signs) H / sqrt(kHeadDim) on each held row: the butterfly's strides below kChunk within the
+// thread, the others across the row's lanes.
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void hadamard_rows(float (&v)[kRows][kChunk], const QuantizeFp8Params& p, int lane,
+                                              int col) {
+  constexpr int kLanesPerRow = kHeadDim / kChunk;
+  const unsigned negate = static_cast<unsigned>(p.signs[col / 64] >> (col % 64)) & 0xffu;
+  constexpr float kNorm = kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 #pragma unroll
-      for (int e = 0; e < kE; e += 2) {
-        // The division, not a multiply by 1/descale: x / descale is what the reference rounds.
-        *reinterpret_cast<unsigned short*>(out + e) = e4m3x2(v[e + 1] / descale, v[e] / descale);
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) if ((negate >> e) & 1u) v[i][e] = -v[i][e];
+#pragma unroll
+    for (int s = 1; s < kChunk; s *= 2) {  // partners in this thread's registers
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) {
+        if (e & s) continue;
+        const float lo = v[i][e], hi = v[i][e + s];
+        v[i][e] = lo + hi;
+        v[i][e + s] = lo - hi;
       }
+    }
+#pragma unroll
+    for (int s = 1; s < kLanesPerRow; s *= 2) {  // partners in lane ^ s of the row's lanes
+      const bool upper = lane & s;
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[i][e], s);
+        v[i][e] = upper ? other - v[i][e] : v[i][e] + other;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) v[i][e] *= kNorm;
+  }
+}
+
+template <typename T, int kHeadDim, bool kHadamard, bool kVectorLoads>
+__global__ void __launch_bounds__(quantize_threads(kHeadDim))
+    quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
+  static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
+                "a power-of-two head dim of 64 to 256");
+  constexpr int kLanesPerRow = kHeadDim / kChunk;  // 8, 16 or 32: a row stays within a warp
+  constexpr int kThreads = quantize_threads(kHeadDim);
+  constexpr int kRowStep = kThreads / kLanesPerRow;  // rows between a thread's rows
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % kLanesPerRow, col = lane * kChunk;
+  const int b = blockIdx.y;
+  const int nblocks = (p.seqlen + kBlockRows - 1) / kBlockRows, items = nblocks * p.nheads;
+  const int row_in_block = static_cast<int>(threadIdx.x) / kLanesPerRow;
+  const bool live = col < p.headdim;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
+  const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
+  __shared__ float warp_amax[2][kWarps];  // by item parity: the next item's writes never meet this one's reads
+
+  for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
+    const int block = item / p.nheads, h = item - block * p.nheads;
+    const int row0 = block * kBlockRows + row_in_block;  // this thread's rows: row0, row0 + kRowStep, ...
+    const T* x = x_batch + h * p.x_stride_h;
+    float v[kRowsPerThread][kChunk];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = row0 + i * kRowStep;
+      if (live && r < p.seqlen) {
+        load_chunk<T, kVectorLoads>(x + r * p.x_stride_s, v[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) v[i][e] = 0.f;  // leaves the amax as it is; never stored
+      }
+    }
+    if (j + 1 < kItemsPerCta && item + 1 < items) {
+      const int next_block = (item + 1) / p.nheads, next_h = item + 1 - next_block * p.nheads;
+      const int next_row0 = next_block * kBlockRows + row_in_block;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int r = next_row0 + i * kRowStep;
+        if (live && r < p.seqlen) prefetch_l2(x_batch + next_h * p.x_stride_h + r * p.x_stride_s);
+      }
+    }
+    if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane, col);
+
+    const long long head = static_cast<long long>(b) * p.nheads + h;
+    float amax = 0.f;
+    if (p.pass == kHeadConvert) {  // the head's amax from the first launch's blocks
+      for (int i = threadIdx.x; i < nblocks; i += kThreads) amax = fmaxf(amax, p.block_amax[head * nblocks + i]);
+    } else {  // fmaxf skips NaNs: they do not count towards the scale (a NaN stays NaN in x8)
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (threadIdx.x % 32 == 0) warp_amax[j % 2][threadIdx.x / 32] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[j % 2][w]);
+    if (p.pass == kHeadAmax) {
+      if (threadIdx.x == 0) p.block_amax[head * nblocks + block] = amax;
+      continue;
+    }
+    // At least the smallest normal float: a smaller descale is flushed to zero here (the module is
+    // compiled with -ftz), which would turn the division below into inf / NaN.
+    const float descale = amax > 0.f ? fmaxf(amax / kE4m3Max, kSmallestNormal) : 1.f;
+    if (threadIdx.x == 0 && (p.pass == kBlockScales || block == 0)) {
+      p.descale[p.pass == kBlockScales ? head * nblocks + block : head] = descale;
+    }
+    if (!live) continue;
+    unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col;
+    if (descale < infinity()) {
+      store_codes<true>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen);
+    } else {
+      store_codes<false>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen);
     }
   }
 }

@@ -71,10 +71,15 @@ except ImportError:
     print("quantize_fp8 not run: it needs torch (CuPy has no e4m3 dtype)")
 if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quantize_fp8: e4m3 from sm_89
     for dtype, shape, block, hadamard in (("bfloat16", (2, 129, 3, 128), None, True), ("float16", (1, 77, 2, 40), 128, False),
-                                          ("bfloat16", (1, 300, 1, 256), 128, True), ("float16", (1, 5, 2, 64), 128, False)):
+                                          ("bfloat16", (1, 300, 1, 256), 128, True), ("float16", (1, 5, 2, 64), 128, False),
+                                          ("float16", (1, 40000, 1, 64), None, False)):  # more blocks than threads
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
         x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=3)
         print("quantize_fp8", dtype, shape, block, hadamard, "ran; descale", tuple(descale.shape), "max", float(descale.max()))
+    for block in (None, 128):  # rows 2 bytes past 16-byte boundaries: element-wise loads
+        x = torch.randn((1, 300, 2, 72), device="cuda", dtype=torch.float16)[..., 1:65]
+        x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=True, seed=3)
+        print("quantize_fp8 misaligned", block, "ran; descale max", float(descale.max()))
     if int(cp.cuda.Device().compute_capability) == 90:  # fwd_fp8_sm90: V transposed by the producer warps
         # or beforehand into a workspace (head dim 256 beyond 512 query rows or from 256 with no more
         # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; there,

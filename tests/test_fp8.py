@@ -1,6 +1,7 @@
 """FP8 (e4m3) on the reference backend: quantization, the Hadamard transform, attention on quantized
 inputs, the convenience path attention(..., fp8=True), argument checks, frameworks, and the
 accuracy study of issue 6 (per-tensor vs block scales vs block scales with the transform)."""
+import dataclasses
 import math
 
 import ml_dtypes
@@ -322,19 +323,30 @@ def test_fp8_in_torch_and_jax_matches_numpy():
                                                        window=(16, 0)))
 
 
+def _gpu_x(torch, shape, dtype, seed, aligned=True):
+    """Random x on the GPU; aligned=False: a view whose rows start 2 bytes past a 16-byte boundary
+    (the quantizer's element-wise loads instead of its 16-byte ones)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(*shape[:-1], shape[-1] + 8, device="cuda", generator=g, dtype=getattr(torch, dtype))
+    x = wide[..., 1:shape[-1] + 1] if not aligned else wide[..., :shape[-1]].contiguous()
+    assert (x.data_ptr() % 16 == 0) == aligned
+    return x
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("headdim,block,hadamard,seqlen", [(64, None, True, 333), (128, 128, True, 333),
-                                                           (256, 128, True, 333), (96, None, False, 333),
-                                                           (96, 128, False, 333), (128, 128, False, 50),
-                                                           (256, 128, False, 256)])
-def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard, seqlen):
+@pytest.mark.parametrize("headdim,block,hadamard,seqlen,aligned", [
+    (64, None, True, 333, True), (128, 128, True, 333, True), (256, 128, True, 333, True), (96, None, False, 333, True),
+    (96, 128, False, 333, True), (128, 128, False, 50, True), (256, 128, False, 256, True),
+    (128, 128, True, 333, False), (64, None, False, 333, False), (256, None, True, 40000, True)])
+def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard, seqlen, aligned):
     """The GPU quantizer (fp32 arithmetic) against reference.quantize_fp8 (float64): descales within
     float32 rounding, one per head or per 128-row block (333 rows: a short last block; 50: one
-    short block), codes equal but for the rare value at a rounding boundary (one e4m3 step)."""
+    short block; 40000 per head: more blocks than a CTA has threads, whose amaxes the second launch
+    reduces), codes equal but for the rare value at a rounding boundary (one e4m3 step). Rows
+    16-byte aligned or not (vector or element loads)."""
     torch = pytest.importorskip("torch")
-    g = torch.Generator(device="cuda").manual_seed(headdim)
-    x = torch.randn(2, seqlen, 3, headdim, device="cuda", generator=g, dtype=getattr(torch, dtype))
+    x = _gpu_x(torch, (2, seqlen, 3, headdim), dtype, headdim, aligned)
     x[0, ::97, 1, :5] *= 10  # outliers
     x[1, :, 2] = 0  # an all-zero head
     if dtype == "bfloat16" and not hadamard:
@@ -353,6 +365,26 @@ def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadama
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, 128])
+def test_quantize_fp8_on_gpu_keeps_the_references_nans_and_infinities(block):
+    """A NaN does not count towards its group's scale and stays NaN; an infinity makes the scale
+    infinite, the group's finite values 0 and the infinity NaN (x / descale, as the reference)."""
+    torch = pytest.importorskip("torch")
+    x = _gpu_x(torch, (1, 300, 2, 64), "bfloat16", 5)
+    x[0, 10, 0, 3] = float("nan")
+    x[0, 200, 1, 7] = float("inf")
+    x8, descale = cuflash.quantize_fp8(x, block=block)
+    want8, want_descale = reference.quantize_fp8(x.cpu().float().numpy(), block)
+    assert np.array_equal(descale.cpu().numpy(), want_descale)
+    assert np.isinf(want_descale).any() and np.isfinite(want_descale).any()
+    got = x8.cpu().view(torch.uint8).numpy().view(E4M3).astype(np.float64)
+    want = want8.astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).sum() == 2
+    ok = ~np.isnan(want)
+    assert (np.abs(got[ok] - want[ok]) <= reference.e4m3_spacing(want[ok]) + 1e-12).all()
+
+
+@pytest.mark.gpu
 def test_quantize_fp8_refuses_cupy_arrays_by_name():
     cupy = pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="x is a CuPy array, and CuPy has no float8_e4m3fn"):
@@ -362,7 +394,6 @@ def test_quantize_fp8_refuses_cupy_arrays_by_name():
 def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
     """The kernel's transposing warps count a tile's key blocks in 16 bits: select refuses (and
     dispatch then says why) instead of letting the count wrap, which would hang the kernel."""
-    import dataclasses
 
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import fwd_sm90
@@ -390,7 +421,6 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     more keys, 128 beyond 2048, 64 beyond 4096): select takes them, and the workspace the caller's
     framework allocates is declared from the problem alone, keys padded to 16; elsewhere, and where
     the V^T kernel's grid cannot hold the batch, no workspace."""
-    import dataclasses
 
     from cuflash import kernels
     from cuflash.arrays import Device, DeviceArray
@@ -445,3 +475,47 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         fwd_sm90.fp8_tiles_override = saved
     assert kernels.workspace(dataclasses.replace(problem, headdim=300)) == {}  # refused by select, no workspace
     assert kernels.workspace(dataclasses.replace(problem, device=Device("cpu"))) == {}  # the reference needs none
+
+
+def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
+    """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows; scales per
+    128-row block in one launch, per head in two (block amaxes to a workspace, then the convert),
+    (block, head) items, the heads of a block adjacent, ITEMS_PER_CTA a CTA on grid x, batch on
+    grid y; grids that do not fit are refused by name."""
+    from cuflash import kernels
+    from cuflash.arrays import Device, DeviceArray
+    from cuflash.kernels import quantize_fp8 as quantize
+    from cuflash.problem import Problem
+
+    problem = Problem(op="quantize_fp8", framework="torch", device=Device("cuda", 0), dtype="bfloat16", batch=2,
+                      seqlen_q=300, seqlen_k=300, nheads=3, nheads_kv=3, headdim=128, hadamard_seed=5)
+
+    def rows(p, ptr=1 << 20, pad=0, itemsize=2):
+        width = p.headdim + pad
+        return DeviceArray(ptr=ptr, shape=(p.batch, p.seqlen_q, p.nheads, p.headdim),
+                           strides=(p.seqlen_q * p.nheads * width, p.nheads * width, width, 1))
+
+    assert quantize.select(problem, {"x": rows(problem)}).vector_loads
+    assert not quantize.select(problem, {"x": rows(problem, ptr=(1 << 20) + 2)}).vector_loads
+    assert not quantize.select(problem, {"x": rows(problem, pad=4)}).vector_loads  # strides of 132 elements
+    per_block = dataclasses.replace(problem, fp8_block=128)
+    assert kernels.workspace(per_block) == {}
+    assert kernels.workspace(problem) == {"block_amax": ((2, 3, 3), "float32")}
+
+    launches = []
+    def function(grid, block, args, stream):
+        launches.append((grid, block, np.frombuffer(args[0].tobytes(), quantize.QUANTIZE_FP8_PARAMS)[0]))
+    variant = quantize.select(problem, {"x": rows(problem)})
+    arrays = {"x": rows(problem), "x8": rows(problem, ptr=2 << 20), "descale": DeviceArray(3 << 20, (2, 3), (3, 1)),
+              "block_amax": DeviceArray(4 << 20, (2, 3, 3), (9, 3, 1))}
+    for p, passes in ((per_block, [quantize.BLOCK_SCALES]), (problem, [quantize.HEAD_AMAX, quantize.HEAD_CONVERT])):
+        launches.clear()
+        quantize.prepare(variant, function, p, arrays, arrays)(arrays, arrays, None)
+        assert [int(params["pass"]) for _, _, params in launches] == passes
+        assert all(grid == (-(-3 * 3 // quantize.ITEMS_PER_CTA), 2) and block == (quantize.threads(128),)
+                   for grid, block, _ in launches)
+        assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) for _, _, params in launches)
+    with pytest.raises(ValueError, match=r"quantize_fp8 launches .*batch 65536 must be at most 65535"):
+        quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
+    with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483643"):
+        quantize.prepare(variant, function, dataclasses.replace(problem, nheads=2**16, seqlen_q=2**22), arrays, arrays)

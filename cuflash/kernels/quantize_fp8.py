@@ -1,7 +1,8 @@
 """quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
 (descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
 after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
-reference.quantize_fp8's). Needs the e4m3 conversion of sm_89 and newer."""
+reference.quantize_fp8's). One CTA per 128-row block; scales per head take a second launch, the
+first writing each block's amax to a workspace. Needs the e4m3 conversion of sm_89 and newer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,18 +11,27 @@ from functools import lru_cache
 import numpy as np
 
 from .. import reference
-from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, cxx_bool, launch_nothing
+from . import (CXX_TYPES, MAX_GRID_YZ, Family, ParamStruct, Variant, cxx_bool, launch_nothing,
+               rows_aligned)
 
 HEADDIMS = (64, 128, 256)  # compiled; a head dim below one (a multiple of 8) runs on it, zero-filled
-WARPS = 4
+ELEMENT_BYTES = 2  # x is fp16 or bf16
 
-# The kernel's QuantizeFp8Params struct, field for field.
-QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale")]
+# The kernel's QuantizeFp8Params struct, field for field, and its `pass` values.
+QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale", "block_amax")]
                   + [(f"{t}_stride_{d}", np.int64) for t in ("x", "x8") for d in ("b", "s", "h")]
                   + [("signs", np.uint64, (4,))]
-                  + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "block")])
-assert QUANTIZE_FP8_PARAMS.itemsize == 120, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 120)"
+                  + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "pass")])
+assert QUANTIZE_FP8_PARAMS.itemsize == 128, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 128)"
 PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
+BLOCK_SCALES, HEAD_AMAX, HEAD_CONVERT = 0, 1, 2
+ROWS_PER_THREAD, CHUNK, ITEMS_PER_CTA = 4, 8, 4  # kRowsPerThread, kChunk, kItemsPerCta
+MAX_ITEMS = 2**31 - 1 - ITEMS_PER_CTA  # the kernel counts (block, head) items in int, up to a CTA's past the last
+
+
+def threads(headdim: int) -> int:
+    """quantize_threads: a 128-row block, CHUNK elements of ROWS_PER_THREAD rows a thread."""
+    return reference.FP8_BLOCK // ROWS_PER_THREAD * (headdim // CHUNK)
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,7 @@ class QuantizeFp8Variant(Variant):
     dtype: str
     headdim: int  # compiled
     hadamard: bool
-    warps: int = WARPS
+    vector_loads: bool  # x's rows are 16-byte aligned (kernels.rows_aligned): one load a chunk
 
     def check(self) -> None:
         if self.dtype not in CXX_TYPES:
@@ -42,11 +52,11 @@ class QuantizeFp8Variant(Variant):
             raise ValueError(f"quantize_fp8: headdim {self.headdim} is not one of {HEADDIMS}")
 
     def template_args(self) -> tuple[str, ...]:
-        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.hadamard), str(self.warps)
+        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.hadamard), cxx_bool(self.vector_loads)
 
 
-VARIANTS = tuple(QuantizeFp8Variant(dtype, headdim, hadamard)
-                 for dtype in sorted(CXX_TYPES) for headdim in HEADDIMS for hadamard in (False, True))
+VARIANTS = tuple(QuantizeFp8Variant(dtype, headdim, hadamard, vector_loads) for dtype in sorted(CXX_TYPES)
+                 for headdim in HEADDIMS for hadamard in (False, True) for vector_loads in (True, False))
 
 
 def select(problem, inputs) -> QuantizeFp8Variant:
@@ -58,7 +68,7 @@ def select(problem, inputs) -> QuantizeFp8Variant:
     if hadamard and headdim != problem.headdim:  # zero-filled columns would join the transform
         raise ValueError(f"quantize_fp8 applies the Hadamard transform to head dims {HEADDIMS} on GPU; "
                          f"got {problem.headdim}")
-    return QuantizeFp8Variant(problem.dtype, headdim, hadamard)
+    return QuantizeFp8Variant(problem.dtype, headdim, hadamard, rows_aligned(inputs["x"], ELEMENT_BYTES))
 
 
 @lru_cache(maxsize=64)  # drawing the signs costs more than the launch
@@ -71,30 +81,45 @@ def _sign_bits(headdim: int, seed: int | None) -> tuple[int, ...]:
     return tuple(words)
 
 
+def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Family.workspace: scales per head keep each block's amax between their two launches."""
+    if problem.fp8_block is not None:
+        return {}
+    return {"block_amax": ((problem.batch, problem.nheads, reference.fp8_blocks(problem.seqlen_q)), "float32")}
+
+
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
-    """Family.prepare: the grid and the parameter struct without addresses, made once; each launch
-    writes x's, x8's and descale's addresses in."""
-    # One CTA per group of rows (the whole head, or a block of reference.FP8_BLOCK rows; a sequence
-    # shorter than a block is one short block), each writing its group's descale: descale
-    # (batch, nheads, groups) or (batch, nheads), contiguous, as api.quantize_fp8 allocates it.
-    block = problem.fp8_block or 0
-    groups = reference.fp8_blocks(problem.seqlen_q) if block else 1
-    assert block in (0, reference.FP8_BLOCK), block
-    if groups * problem.nheads * problem.batch == 0:
+    """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
+    writes the arrays' addresses in."""
+    # A CTA per ITEMS_PER_CTA (block of reference.FP8_BLOCK rows, head) items (a sequence shorter
+    # than a block is one short block), the heads of a block next to each other; batch on grid y.
+    # descale (batch, nheads, blocks) or (batch, nheads), contiguous, as api.quantize_fp8 allocates
+    # it; x8 too (its 8-element chunks are stored 8 bytes at a time).
+    blocks = reference.fp8_blocks(problem.seqlen_q)
+    assert problem.fp8_block in (None, reference.FP8_BLOCK), problem.fp8_block
+    if blocks * problem.nheads * problem.batch == 0:
         return launch_nothing
-    check_grid_yz("quantize_fp8", problem.nheads, problem.batch)
+    if blocks * problem.nheads > MAX_ITEMS or problem.batch > MAX_GRID_YZ:
+        raise ValueError(f"quantize_fp8 launches a block row per batch entry, a block per {reference.FP8_BLOCK} rows "
+                         f"of each head: batch {problem.batch} must be at most {MAX_GRID_YZ} and nheads x "
+                         f"ceil(seqlen / {reference.FP8_BLOCK}) ({problem.nheads} x {blocks}) at most {MAX_ITEMS}")
+    x8 = outputs["x8"]
+    assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
-                  nheads=problem.nheads, headdim=problem.headdim, block=block)
+                  nheads=problem.nheads, headdim=problem.headdim)
     for name, x in (("x", inputs["x"]), ("x8", outputs["x8"])):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
-    template = PARAMS.template(**fields)
-    grid, block_dim = (groups, problem.nheads, problem.batch), (32 * variant.warps,)
+    passes = (BLOCK_SCALES,) if problem.fp8_block else (HEAD_AMAX, HEAD_CONVERT)
+    templates = [PARAMS.template(**fields, **{"pass": p}) for p in passes]
+    grid, block_dim = (-(-blocks * problem.nheads // ITEMS_PER_CTA), problem.batch), (threads(variant.headdim),)
+    written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:
-        params = bytearray(template)
-        PARAMS.write_addresses(params, inputs, ("x",))
-        PARAMS.write_addresses(params, outputs, ("x8", "descale"))
-        function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
+        for template in templates:
+            params = bytearray(template)
+            PARAMS.write_addresses(params, inputs, ("x",))
+            PARAMS.write_addresses(params, outputs, written)
+            function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
 
     return launch_prepared
 
@@ -108,4 +133,5 @@ FAMILY = Family(
     variants_for=lambda compute_capability: VARIANTS,
     select=select,
     prepare=prepare,
+    workspace=workspace,
 )
