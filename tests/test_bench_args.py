@@ -1,4 +1,5 @@
-"""benchmarks/bench_fwd.py's --sm90-tiles and --fp8-tiles rows become fwd_sm90 variants field for field."""
+"""benchmarks/bench_fwd.py's --sm90-tiles and --fp8-tiles rows become fwd_sm90 variants field for field;
+benchmarks/fp8_accuracy.py's study runs on the reference backend."""
 import argparse
 import importlib.util
 from pathlib import Path
@@ -8,12 +9,16 @@ import pytest
 from cuflash.kernels import fwd_sm90
 
 
-def _bench_fwd():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fwd.py"
-    spec = importlib.util.spec_from_file_location("bench_fwd", path)
+def _script(name):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_fwd():
+    return _script("bench_fwd")
 
 
 def test_sm90_tiles_rows_match_the_table_layout():
@@ -61,3 +66,19 @@ def test_graph_timing_is_refused_for_the_jax_peer_and_counts_calls(tmp_path, cap
         with pytest.raises(SystemExit):
             _bench_fwd().main(["--out", str(tmp_path), "--graph", bad])
         assert "expected a number of calls >= 0" in capsys.readouterr().err
+
+
+def test_fp8_accuracy_study_runs_on_the_reference(tmp_path, capsys):
+    """The study's table on CPU (the reference's FP8 simulation): one row per (head dim, seqlen), the
+    FP8 errors ordered as issue 6 expects, bf16's far below them, and the ratio column (a) / (c)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "fp8.md"
+    assert _script("fp8_accuracy").main(["--headdims", "64", "--seqlens", "200,300", "--device", "cpu",
+                                          "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.strip() == capsys.readouterr().out.strip()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 64 |")]
+    assert [int(r[1]) for r in rows] == [200, 300]
+    for _, _, bf16, a, b, c, ratio in rows:
+        bf16, a, b, c = map(float, (bf16, a, b, c))
+        assert bf16 < c / 4 and c < b < a and float(ratio) == pytest.approx(a / c, abs=0.01)
