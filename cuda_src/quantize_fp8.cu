@@ -11,13 +11,14 @@
 // CTAs running together read whole token rows of x, not one head's slice of rows far apart. A
 // thread holds kChunk consecutive elements (16 bytes of x) of kRowsPerThread rows of an item, all
 // loaded before any is used, and prefetches its rows of the next item into L2 while it works on
-// these: x is read from memory once. The amax is a CTA reduction over the held (transformed)
+// these: x is read from memory once a launch. The amax is a CTA reduction over the held (transformed)
 // values, which are then converted from registers. The transform is the fast Walsh-Hadamard
 // butterfly: strides below kChunk within a thread, the others across the row's kHeadDim / kChunk
 // lanes with shuffles (log2(kHeadDim / kChunk) of them an element).
 //
-// Scales per head take two launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax writes
-// each block's amax to a workspace, kHeadConvert reduces its head's block amaxes and converts.
+// Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
+// writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
+// amaxes to its descale, kHeadConvert converts with it; x is read twice.
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -29,7 +30,8 @@ constexpr int kBlockRows = 128;                     // reference.FP8_BLOCK
 // QuantizeFp8Params::pass
 constexpr int kBlockScales = 0;  // one launch: descale per block
 constexpr int kHeadAmax = 1;     // per head, first launch: block_amax per block
-constexpr int kHeadConvert = 2;  // per head, second launch: descale per head from block_amax, and x8
+constexpr int kHeadScale = 2;    // per head, second launch (grid (nheads, batch)): descale per head from block_amax
+constexpr int kHeadConvert = 3;  // per head, third launch: x8 with the head's descale
 
 struct QuantizeFp8Params {
   const void* x;
@@ -56,15 +58,15 @@ __host__ __device__ constexpr int quantize_threads(int head_dim) {
 template <typename T, bool kVectorLoads>
 __device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk]) {
   static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
-  T e[kChunk];
   if constexpr (kVectorLoads) {
-    *reinterpret_cast<uint4*>(e) = *reinterpret_cast<const uint4*>(at);
+    const uint4 raw = *reinterpret_cast<const uint4*>(at);
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) v[i] = to_float(T{static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)))});
   } else {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) e[i] = at[i];
+    for (int i = 0; i < kChunk; ++i) v[i] = to_float(at[i]);
   }
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) v[i] = to_float(e[i]);
 }
 
 // x / descale rounded as the reference rounds it (not x times 1 / descale), without a division
@@ -143,8 +145,29 @@ __device__ __forceinline__ void hadamard_rows(float (&v)[kRows][kChunk], const Q
   }
 }
 
+// The maximum of `value` over the CTA (every thread gets it); warp_amax: kWarps floats of shared
+// memory no thread reads or writes between this call and the previous one's reads (see the caller).
+template <int kWarps>
+__device__ __forceinline__ float cta_max(float value, float* warp_amax) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = value;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) value = fmaxf(value, warp_amax[w]);
+  return value;
+}
+
+// amax / 448, but at least the smallest normal float: a smaller descale is flushed to zero here
+// (the module is compiled with -ftz), which would turn x / descale into inf / NaN; 1 for amax 0.
+__device__ __forceinline__ float descale_of(float amax) {
+  return amax > 0.f ? fmaxf(amax / kE4m3Max, kSmallestNormal) : 1.f;
+}
+
+// At most 64 registers a thread (1024 / threads CTAs an SM): four CTAs an SM at head dim 64, two at
+// 128, whose loads and conversions overlap; 65-73 registers (ptxas's own choice) left one at 128.
 template <typename T, int kHeadDim, bool kHadamard, bool kVectorLoads>
-__global__ void __launch_bounds__(quantize_threads(kHeadDim))
+__global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_threads(kHeadDim))
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
                 "a power-of-two head dim of 64 to 256");
@@ -154,11 +177,20 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim))
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % kLanesPerRow, col = lane * kChunk;
   const int b = blockIdx.y;
-  const int nblocks = (p.seqlen + kBlockRows - 1) / kBlockRows, items = nblocks * p.nheads;
+  const int nblocks = p.seqlen / kBlockRows + (p.seqlen % kBlockRows != 0), items = nblocks * p.nheads;
   const int row_in_block = static_cast<int>(threadIdx.x) / kLanesPerRow;
   const bool live = col < p.headdim;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
   const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
   __shared__ float warp_amax[2][kWarps];  // by item parity: the next item's writes never meet this one's reads
+
+  if (p.pass == kHeadScale) {  // a CTA per (head blockIdx.x, batch b)
+    const long long head = static_cast<long long>(b) * p.nheads + blockIdx.x;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < nblocks; i += kThreads) amax = fmaxf(amax, p.block_amax[head * nblocks + i]);
+    amax = cta_max<kWarps>(amax, warp_amax[0]);
+    if (threadIdx.x == 0) p.descale[head] = descale_of(amax);
+    return;
+  }
 
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
     const int block = item / p.nheads, h = item - block * p.nheads;
@@ -187,31 +219,23 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim))
     if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane, col);
 
     const long long head = static_cast<long long>(b) * p.nheads + h;
-    float amax = 0.f;
-    if (p.pass == kHeadConvert) {  // the head's amax from the first launch's blocks
-      for (int i = threadIdx.x; i < nblocks; i += kThreads) amax = fmaxf(amax, p.block_amax[head * nblocks + i]);
+    float descale;
+    if (p.pass == kHeadConvert) {
+      descale = p.descale[head];  // kHeadScale's
     } else {  // fmaxf skips NaNs: they do not count towards the scale (a NaN stays NaN in x8)
+      float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
       }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (threadIdx.x % 32 == 0) warp_amax[j % 2][threadIdx.x / 32] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[j % 2][w]);
-    if (p.pass == kHeadAmax) {
-      if (threadIdx.x == 0) p.block_amax[head * nblocks + block] = amax;
-      continue;
-    }
-    // At least the smallest normal float: a smaller descale is flushed to zero here (the module is
-    // compiled with -ftz), which would turn the division below into inf / NaN.
-    const float descale = amax > 0.f ? fmaxf(amax / kE4m3Max, kSmallestNormal) : 1.f;
-    if (threadIdx.x == 0 && (p.pass == kBlockScales || block == 0)) {
-      p.descale[p.pass == kBlockScales ? head * nblocks + block : head] = descale;
+      amax = cta_max<kWarps>(amax, warp_amax[j % 2]);
+      if (p.pass == kHeadAmax) {
+        if (threadIdx.x == 0) p.block_amax[head * nblocks + block] = amax;
+        continue;
+      }
+      descale = descale_of(amax);
+      if (threadIdx.x == 0) p.descale[head * nblocks + block] = descale;
     }
     if (!live) continue;
     unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col;

@@ -390,7 +390,7 @@ def _varlen_cases():
         bad(VARLEN, f"{cu}-float32", TypeError, rf"^{cu} must be int32 .*got dtype float32", fw="jax",
             **{cu: lambda a, cu=cu: a[cu].astype(jnp.float32)})
         bad(VARLEN, f"{cu}-start-1", ValueError, rf"^{cu} must start at 0; got 1", fw="jax",
-            **{cu: lambda a: jnp.array([1, 2, total], jnp.int32)})  # made in the test: on its (CPU) device
+            **{cu: lambda a, total=total: jnp.array([1, 2, total], jnp.int32)})  # made in the test: on its (CPU) device
         bad(VARLEN, f"{cu}-last", ValueError, rf"^{cu}\[-1\] = 1 must equal the packed length {total}", fw="jax",
             **{cu: lambda a: jnp.array([0, 1, 1], jnp.int32)})
         bad(VARLEN, f"{mx}-too-small", ValueError, rf"^{mx} = 1 is smaller than the longest sequence in {cu}", fw="jax", **{mx: 1})

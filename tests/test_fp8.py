@@ -338,12 +338,12 @@ def _gpu_x(torch, shape, dtype, seed, aligned=True):
 @pytest.mark.parametrize("headdim,block,hadamard,seqlen,aligned", [
     (64, None, True, 333, True), (128, 128, True, 333, True), (256, 128, True, 333, True), (96, None, False, 333, True),
     (96, 128, False, 333, True), (128, 128, False, 50, True), (256, 128, False, 256, True),
-    (128, 128, True, 333, False), (64, None, False, 333, False), (256, None, True, 40000, True)])
+    (128, 128, True, 333, False), (64, None, False, 333, False), (64, None, True, 40000, True)])
 def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadamard, seqlen, aligned):
     """The GPU quantizer (fp32 arithmetic) against reference.quantize_fp8 (float64): descales within
     float32 rounding, one per head or per 128-row block (333 rows: a short last block; 50: one
-    short block; 40000 per head: more blocks than a CTA has threads, whose amaxes the second launch
-    reduces), codes equal but for the rare value at a rounding boundary (one e4m3 step). Rows
+    short block; 40000 rows per head at head dim 64: 313 blocks, more than a CTA's 256 threads, whose
+    amaxes the second launch reduces), codes equal but for the rare value at a rounding boundary (one e4m3 step). Rows
     16-byte aligned or not (vector or element loads)."""
     torch = pytest.importorskip("torch")
     x = _gpu_x(torch, (2, seqlen, 3, headdim), dtype, headdim, aligned)
@@ -479,9 +479,9 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
 
 def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
     """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows; scales per
-    128-row block in one launch, per head in two (block amaxes to a workspace, then the convert),
-    (block, head) items, the heads of a block adjacent, ITEMS_PER_CTA a CTA on grid x, batch on
-    grid y; grids that do not fit are refused by name."""
+    128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
+    reducing them to its descale, the convert), ITEMS_PER_CTA (block, head) items a CTA on grid x,
+    batch on grid y; grids that do not fit are refused by name."""
     from cuflash import kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
@@ -490,7 +490,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
     problem = Problem(op="quantize_fp8", framework="torch", device=Device("cuda", 0), dtype="bfloat16", batch=2,
                       seqlen_q=300, seqlen_k=300, nheads=3, nheads_kv=3, headdim=128, hadamard_seed=5)
 
-    def rows(p, ptr=1 << 20, pad=0, itemsize=2):
+    def rows(p, ptr=1 << 20, pad=0):
         width = p.headdim + pad
         return DeviceArray(ptr=ptr, shape=(p.batch, p.seqlen_q, p.nheads, p.headdim),
                            strides=(p.seqlen_q * p.nheads * width, p.nheads * width, width, 1))
@@ -508,14 +508,17 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
     variant = quantize.select(problem, {"x": rows(problem)})
     arrays = {"x": rows(problem), "x8": rows(problem, ptr=2 << 20), "descale": DeviceArray(3 << 20, (2, 3), (3, 1)),
               "block_amax": DeviceArray(4 << 20, (2, 3, 3), (9, 3, 1))}
-    for p, passes in ((per_block, [quantize.BLOCK_SCALES]), (problem, [quantize.HEAD_AMAX, quantize.HEAD_CONVERT])):
+    items = (-(-3 * 3 // quantize.ITEMS_PER_CTA), 2)  # 3 blocks of 3 heads, batch 2
+    for p, passes in ((per_block, [(quantize.BLOCK_SCALES, items)]),
+                      (problem, [(quantize.HEAD_AMAX, items), (quantize.HEAD_SCALE, (3, 2)),
+                                 (quantize.HEAD_CONVERT, items)])):
         launches.clear()
         quantize.prepare(variant, function, p, arrays, arrays)(arrays, arrays, None)
-        assert [int(params["pass"]) for _, _, params in launches] == passes
-        assert all(grid == (-(-3 * 3 // quantize.ITEMS_PER_CTA), 2) and block == (quantize.threads(128),)
-                   for grid, block, _ in launches)
-        assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) for _, _, params in launches)
-    with pytest.raises(ValueError, match=r"quantize_fp8 launches .*batch 65536 must be at most 65535"):
+        assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
+        assert all(block == (quantize.threads(128),) for _, block, _ in launches)
+        assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
+                   and params["x"] == 1 << 20 and params["x8"] == 2 << 20 for _, _, params in launches)
+    with pytest.raises(ValueError, match=r"quantize_fp8 launches a row of CTAs .*batch 65536 must be at most 65535"):
         quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
     with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483643"):
         quantize.prepare(variant, function, dataclasses.replace(problem, nheads=2**16, seqlen_q=2**22), arrays, arrays)

@@ -1,8 +1,9 @@
 """quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
 (descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
 after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
-reference.quantize_fp8's). One CTA per 128-row block; scales per head take a second launch, the
-first writing each block's amax to a workspace. Needs the e4m3 conversion of sm_89 and newer."""
+reference.quantize_fp8's). A CTA per ITEMS_PER_CTA (128-row block, head) items; scales per head
+take three launches (each block's amax to a workspace, a head's descale from them, the codes).
+Needs the e4m3 conversion of sm_89 and newer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "desca
                   + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "pass")])
 assert QUANTIZE_FP8_PARAMS.itemsize == 128, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 128)"
 PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
-BLOCK_SCALES, HEAD_AMAX, HEAD_CONVERT = 0, 1, 2
+BLOCK_SCALES, HEAD_AMAX, HEAD_SCALE, HEAD_CONVERT = 0, 1, 2, 3
 ROWS_PER_THREAD, CHUNK, ITEMS_PER_CTA = 4, 8, 4  # kRowsPerThread, kChunk, kItemsPerCta
 MAX_ITEMS = 2**31 - 1 - ITEMS_PER_CTA  # the kernel counts (block, head) items in int, up to a CTA's past the last
 
@@ -82,7 +83,7 @@ def _sign_bits(headdim: int, seed: int | None) -> tuple[int, ...]:
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Family.workspace: scales per head keep each block's amax between their two launches."""
+    """Family.workspace: scales per head keep each block's amax between their first two launches."""
     if problem.fp8_block is not None:
         return {}
     return {"block_amax": ((problem.batch, problem.nheads, reference.fp8_blocks(problem.seqlen_q)), "float32")}
@@ -100,8 +101,8 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     if blocks * problem.nheads * problem.batch == 0:
         return launch_nothing
     if blocks * problem.nheads > MAX_ITEMS or problem.batch > MAX_GRID_YZ:
-        raise ValueError(f"quantize_fp8 launches a block row per batch entry, a block per {reference.FP8_BLOCK} rows "
-                         f"of each head: batch {problem.batch} must be at most {MAX_GRID_YZ} and nheads x "
+        raise ValueError(f"quantize_fp8 launches a row of CTAs per batch entry over the {reference.FP8_BLOCK}-row "
+                         f"blocks of every head: batch {problem.batch} must be at most {MAX_GRID_YZ} and nheads x "
                          f"ceil(seqlen / {reference.FP8_BLOCK}) ({problem.nheads} x {blocks}) at most {MAX_ITEMS}")
     x8 = outputs["x8"]
     assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
@@ -109,13 +110,15 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
                   nheads=problem.nheads, headdim=problem.headdim)
     for name, x in (("x", inputs["x"]), ("x8", outputs["x8"])):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
-    passes = (BLOCK_SCALES,) if problem.fp8_block else (HEAD_AMAX, HEAD_CONVERT)
-    templates = [PARAMS.template(**fields, **{"pass": p}) for p in passes]
-    grid, block_dim = (-(-blocks * problem.nheads // ITEMS_PER_CTA), problem.batch), (threads(variant.headdim),)
+    items = (-(-blocks * problem.nheads // ITEMS_PER_CTA), problem.batch)  # the grid of the passes over x
+    passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
+              [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
+    launches = [(PARAMS.template(**fields, **{"pass": p}), grid) for p, grid in passes]
+    block_dim = (threads(variant.headdim),)
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:
-        for template in templates:
+        for template, grid in launches:
             params = bytearray(template)
             PARAMS.write_addresses(params, inputs, ("x",))
             PARAMS.write_addresses(params, outputs, written)
