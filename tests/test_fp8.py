@@ -343,8 +343,8 @@ def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadama
     """The GPU quantizer (fp32 arithmetic) against reference.quantize_fp8 (float64): descales within
     float32 rounding, one per head or per 128-row block (333 rows: a short last block; 50: one
     short block; 40000 rows per head at head dim 64: 313 blocks, more than a CTA's 256 threads, whose
-    amaxes the second launch reduces), codes equal but for the rare value at a rounding boundary (one e4m3 step). Rows
-    16-byte aligned or not (vector or element loads)."""
+    amaxes the second launch reduces), codes equal but for the rare value at a rounding boundary
+    (one e4m3 step). Rows 16-byte aligned or not (vector or element loads)."""
     torch = pytest.importorskip("torch")
     x = _gpu_x(torch, (2, seqlen, 3, headdim), dtype, headdim, aligned)
     x[0, ::97, 1, :5] *= 10  # outliers
