@@ -261,7 +261,8 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
     """name -> call for one configuration: the peers first (torch-flash is the error column's
     reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced),
     "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
-    times it, and one per 128-row block; torch arrays only) and "deterministic" (the backward
+    times it, and one per 128-row block; and attention(fp8=True, hadamard=True), which quantizes
+    q, k and v each call: FP8 end to end; torch arrays only) and "deterministic" (the backward
     with deterministic=True)."""
     import cuflash
 
@@ -279,6 +280,7 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
                 (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
                 impls[name] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd: cuflash.attention_fp8(
                     q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=config.dtype))
+            impls["cuflash-fp8-e2e"] = lambda: cuflash.attention(q, k, v, causal=causal, fp8=True, hadamard=True)
         return impls
     dout = xp.randn(shape, config.dtype, g)
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)

@@ -12,15 +12,18 @@ from pathlib import Path
 # cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
 # cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
+# cuflash-fp8-e2e: attention(fp8=True, hadamard=True), quantizing q, k and v each call.
 PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",
-         "cuflash-fp8-block")
+         "cuflash-fp8-block", "cuflash-fp8-e2e")
 # One colour per implementation in every chart (matplotlib's default cycle, in PEERS order).
 COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd",
-                                          "#e377c2", "#7f7f7f")))
+                                          "#e377c2", "#7f7f7f", "#bcbd22")))
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
           "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
-          "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales", "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales"}
+          "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
+          "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales",
+          "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
 # A row whose repetitions spread this much (p10 to p90, over the median) of some implementation was
 # not measured at a steady state: seen in the shortest causal rows, where the host's calls of the

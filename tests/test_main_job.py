@@ -165,6 +165,17 @@ def test_report_tables_and_charts(tmp_path):
                                                                "fwd_torch.json"]
 
 
+def test_report_shows_the_fp8_columns(tmp_path):
+    """FP8 rows: the kernel on quantized inputs (per head, per block), end to end, and the speed-up."""
+    (tmp_path / "fwd_torch.json").write_text(json.dumps(_document(
+        {"cuflash": 600, "torch-cudnn": 640, "cuflash-fp8": 900, "cuflash-fp8-block": 840, "cuflash-fp8-e2e": 660})))
+    assert [p.name for p in report.write(tmp_path, charts=True)] == ["fwd.md", "fwd_bfloat16.png"]
+    table = (tmp_path / "fwd.md").read_text()
+    assert ("| cuflash | torch-cudnn | cuflash-fp8 | cuflash-fp8-block | cuflash-fp8-e2e | cuflash / FA2 | "
+            "cuflash / cuDNN | fp8 / cuflash | clock MHz |") in table
+    assert "| bfloat16 | 128 | 0 | 4096 | 600 | 640 | 900 | 840 | 660 | - | 0.94 | 1.50 | 1980 |" in table
+
+
 def test_report_marks_unsteady_rows():
     document = _document({"cuflash": 600, "torch-cudnn": 640})
     for row in document["rows"]:
