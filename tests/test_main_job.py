@@ -235,12 +235,13 @@ def test_graph_timing_counts_per_call_and_leaves_out_uncapturable_peers():
 
 @pytest.mark.gpu
 def test_bench_graph_timing_on_torch():
-    """Graph timing captures cuflash (bf16 and e4m3, whose V^T pass and workspace are captured too) and
-    torch SDPA's peers."""
+    """Graph timing captures cuflash (bf16 and e4m3, whose V^T pass and workspace are captured too, and
+    attention(fp8=True) with its quantizations) and torch SDPA's peers."""
     pytest.importorskip("torch")
     grid = [bench.Config("bfloat16", 256, False, 1024, 2, 4)]
     rows = bench.run(grid, reps=3, warmup=1, xp=bench._Torch(), extra=("fp8",), graph_calls=4)
-    assert {r["impl"] for r in rows} >= {"cuflash", "cuflash-fp8", "cuflash-fp8-block", "torch-cudnn"}
+    assert {r["impl"] for r in rows} >= {"cuflash", "cuflash-fp8", "cuflash-fp8-block", "cuflash-fp8-e2e",
+                                         "torch-cudnn"}
     assert all(r["graph_calls"] == 4 and r["tflops"] > 1 for r in rows)
 
 
