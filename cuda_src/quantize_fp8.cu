@@ -109,6 +109,15 @@ constexpr int kItemsPerCta = 4;
 
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
 
+// Item `item` of a batch entry: block `block` of head `h`, a thread's rows of it row0, row0 + kRowStep, ...
+struct Item {
+  int block, h, row0;
+};
+__device__ __forceinline__ Item item_at(int item, int nheads, int row_in_block) {
+  const int block = item / nheads;
+  return {block, item - block * nheads, block * kBlockRows + row_in_block};
+}
+
 // diag(signs) H / sqrt(kHeadDim) on each held row: the butterfly's strides below kChunk within the
 // thread, the others across the row's lanes.
 template <int kHeadDim, int kRows>
@@ -193,8 +202,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   }
 
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
-    const int block = item / p.nheads, h = item - block * p.nheads;
-    const int row0 = block * kBlockRows + row_in_block;  // this thread's rows: row0, row0 + kRowStep, ...
+    const auto [block, h, row0] = item_at(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
     float v[kRowsPerThread][kChunk];
 #pragma unroll
@@ -208,12 +216,11 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
       }
     }
     if (j + 1 < kItemsPerCta && item + 1 < items) {
-      const int next_block = (item + 1) / p.nheads, next_h = item + 1 - next_block * p.nheads;
-      const int next_row0 = next_block * kBlockRows + row_in_block;
+      const Item next = item_at(item + 1, p.nheads, row_in_block);
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
-        const int r = next_row0 + i * kRowStep;
-        if (live && r < p.seqlen) prefetch_l2(x_batch + next_h * p.x_stride_h + r * p.x_stride_s);
+        const int r = next.row0 + i * kRowStep;
+        if (live && r < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + r * p.x_stride_s);
       }
     }
     if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane, col);

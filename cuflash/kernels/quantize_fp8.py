@@ -108,7 +108,7 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
                   nheads=problem.nheads, headdim=problem.headdim)
-    for name, x in (("x", inputs["x"]), ("x8", outputs["x8"])):
+    for name, x in (("x", inputs["x"]), ("x8", x8)):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
     items = (-(-blocks * problem.nheads // ITEMS_PER_CTA), problem.batch)  # the grid of the passes over x
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
