@@ -3,6 +3,7 @@
 
   python benchmarks/bench_fwd.py --out DIR            # torch peers + cuflash -> DIR/fwd_torch.json
   python benchmarks/bench_fwd.py --out DIR --jax      # JAX cuDNN -> DIR/fwd_jax.json
+  python benchmarks/bench_fwd.py --out DIR --jax --extra fp8  # and cuDNN's FP8 forward beside it
   python benchmarks/bench_fwd.py --out DIR --backward # backward rows -> DIR/bwd_torch.json
   python benchmarks/bench_fwd.py --out DIR --graph 20 # each timing a CUDA graph of 20 calls (short rows)
   python benchmarks/report.py DIR                     # -> DIR/fwd.md, DIR/bwd.md and PNG charts
@@ -105,14 +106,15 @@ def main(argv=None) -> int:
                         help="fwd_sm90's grid: one CTA per SM (persistent, the default) or one per tile")
     parser.add_argument("--extra", default=None, type=lambda s: tuple(x for x in s.split(",") if x),
                         help="cuflash variants timed beside cuflash: sm80 (forward's default), fp8 (forward), "
-                        "deterministic (backward's default); an empty string for none")
+                        "deterministic (backward's default); an empty string for none. With --jax, fp8 adds "
+                        "cuDNN's FP8 forward")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)
     if args.jax and args.graph:
         parser.error("--graph times the torch process's implementations; --jax runs JAX's peer back to back")
     if args.jax:
-        rows = bench.run_jax(grid, args.reps)
+        rows = bench.run_jax(grid, args.reps, fp8="fp8" in (args.extra or ()))
     else:
         fwd_sm80.tiles_override = args.tiles  # time other rows of the tile tables
         fwd_sm90.tiles_override = args.sm90_tiles

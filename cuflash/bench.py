@@ -11,7 +11,8 @@ implementation then runs many calls back to back; benchmarks/NOTES-fp8.md, sessi
 timing is for short rows. Peers in the
 same process: torch SDPA's FLASH_ATTENTION backend (FlashAttention-2 inside PyTorch) and its
 CUDNN_ATTENTION backend. JAX's cuDNN attention runs in its own process (JAX takes most of the GPU's
-memory when it starts), timed over back-to-back calls. Every row records the SM clock, temperature
+memory when it starts), timed over back-to-back calls; so does cuDNN's FP8 forward, which only JAX
+reaches (`run_jax(fp8=True)`). Every row records the SM clock, temperature
 and throttle reasons; a throttled row is marked.
 
 Backward rows time the backward alone (the forward's out and lse are inputs), FLOPs counted as
@@ -370,9 +371,38 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
     return rows
 
 
-def run_jax(grid: list[Config], reps: int = 30) -> list[dict]:
-    """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`), forward, in this
-    process: call it in a process of its own (run_jax_process)."""
+def _jax_cudnn_fp8(q, k, v, causal: bool):
+    """cuDNN's FP8 forward through JAX (`use_fp8=True` of jax._src.cudnn.fused_attention_stablehlo's
+    dot_product_attention: JAX has no public entry to it, so a JAX release may move it, and then
+    this raises): q, k and v rounded to e4m3 with one scale per tensor (amax / 448; cuDNN takes
+    per-tensor descales), P scaled by 2^8 before its rounding to e4m3 (as cuflash's kernel does),
+    out in e4m3 with unit scale (cuDNN's FP8 forward writes e4m3 and the amaxes of P and O; cuflash
+    writes bf16). (call, args) for the timing loop."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    def quantized(x):
+        descale = jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0
+        return (x.astype(jnp.float32) / descale).astype(jnp.float8_e4m3fn), descale.reshape(1, 1, 1, 1)
+
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantized(x) for x in (q, k, v))
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    params = dict.fromkeys(cudnn.fp8_params_keys, one)  # the backward's scales: unused by the forward
+    params.update(descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, scale_s=one * 2.0**8,
+                  descale_s=one * 2.0**-8, scale_o=one)
+    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+    scale = q.shape[-1] ** -0.5
+    call = jax.jit(lambda q8, k8, v8, params: cudnn.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask, qkv_layout="BTNH", use_fp8=True)[0])
+    return call, (q8, k8, v8, params)
+
+
+def run_jax(grid: list[Config], reps: int = 30, fp8: bool = False) -> list[dict]:
+    """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`, jax-cudnn), forward,
+    in this process: call it in a process of its own (run_jax_process). With fp8, cuDNN's FP8 forward
+    beside it (jax-cudnn-fp8, _jax_cudnn_fp8), the two timed in turn; each row's
+    max_abs_diff_vs_first is against jax-cudnn's out."""
     import jax
     import jax.numpy as jnp
 
@@ -381,25 +411,36 @@ def run_jax(grid: list[Config], reps: int = 30) -> list[dict]:
         keys = jax.random.split(jax.random.PRNGKey(config.seqlen * config.headdim), 3)
         shape = (config.batch, config.seqlen, config.nheads, config.headdim)
         q, k, v = (jax.random.normal(key, shape, getattr(jnp, config.dtype)) for key in keys)
-        f = jax.jit(lambda q, k, v, causal=config.causal: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"))
-        try:
-            f(q, k, v).block_until_ready()
-        except Exception as e:  # cuDNN may not support a configuration
-            print(f"  jax-cudnn unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
+        impls = {"jax-cudnn": lambda: (jax.jit(lambda q, k, v, causal=config.causal: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v))}
+        if fp8:
+            impls["jax-cudnn-fp8"] = lambda: _jax_cudnn_fp8(q, k, v, config.causal)
+        calls, outputs = {}, {}
+        for name, make in impls.items():
+            try:
+                call, args = make()
+                outputs[name] = call(*args).astype(jnp.float32).block_until_ready()
+            except Exception as e:  # cuDNN may not support a configuration (nor JAX have the FP8 entry)
+                print(f"  {name} unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
+                continue
+            calls[name] = (call, args)
+        if not calls:
             continue
-        samples = []
+        samples = {name: [] for name in calls}
         for _ in range(max(reps // 5, 1)):
-            t0 = time.perf_counter()
-            for _ in range(5):  # back-to-back: XLA queues them, so dispatch overlaps the previous call
-                out = f(q, k, v)
-            out.block_until_ready()
-            samples.append((time.perf_counter() - t0) * 1e3 / 5)
-        ms = statistics.median(samples)
+            for name, (call, args) in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(5):  # back-to-back: XLA queues them, so dispatch overlaps the previous call
+                    out = call(*args)
+                out.block_until_ready()
+                samples[name].append((time.perf_counter() - t0) * 1e3 / 5)
         state = gpu_state()
-        rows.append(dict(impl="jax-cudnn", **asdict(config), ms=ms, tflops=config.flops() / ms / 1e9,
-                         backward=False, **state))
-        print(f"{config.label()}: jax-cudnn {rows[-1]['tflops']:6.1f}", file=sys.stderr, flush=True)
+        first = next(iter(outputs.values()))
+        for name, ts in samples.items():
+            ms = statistics.median(ts)
+            rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops() / ms / 1e9, backward=False,
+                             max_abs_diff_vs_first=float(jnp.max(jnp.abs(outputs[name] - first))), **state))
+            print(f"{config.label()}: {name} {rows[-1]['tflops']:6.1f}", file=sys.stderr, flush=True)
     return rows
 
 

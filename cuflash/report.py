@@ -13,17 +13,19 @@ from pathlib import Path
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
 # cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
 # cuflash-fp8-e2e: attention(fp8=True, hadamard=True), quantizing q, k and v each call.
+# jax-cudnn-fp8: cuDNN's FP8 forward (through JAX, in its process; cuflash.bench._jax_cudnn_fp8).
 PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",
-         "cuflash-fp8-block", "cuflash-fp8-e2e")
+         "cuflash-fp8-block", "cuflash-fp8-e2e", "jax-cudnn-fp8")
 # One colour per implementation in every chart (matplotlib's default cycle, in PEERS order).
 COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd",
-                                          "#e377c2", "#7f7f7f", "#bcbd22")))
+                                          "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")))
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
           "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
           "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
           "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales",
-          "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)"}
+          "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)",
+          "jax-cudnn-fp8": "JAX, cuDNN FP8 (e4m3), per-tensor scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
 # A row whose repetitions spread this much (p10 to p90, over the median) of some implementation was
 # not measured at a steady state: seen in the shortest causal rows, where the host's calls of the
@@ -54,22 +56,26 @@ def _versions(results: list[dict]) -> dict:
 
 
 def render(results: list[dict], title: str = "Forward") -> str:
-    """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the clock."""
+    """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the FP8
+    kernel's (per-head scales) to cuflash's 16-bit one and to cuDNN's FP8 forward, the clock."""
     rows = [r for res in results for r in res["rows"]]
     meta = results[0]["meta"]
     cells = _cells(rows)
     gpu = rows[0]["gpu"] if rows else "?"
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
     fp8 = "cuflash-fp8" in peers  # then also the FP8 kernel's speed-up over the 16-bit one
+    fp8_cudnn = fp8 and "jax-cudnn-fp8" in peers  # and its ratio to cuDNN's FP8 forward
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
            + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
-           + ("; jax-cudnn timed back to back in its own process" if "jax-cudnn" in peers else "") + "; "
+           + (f"; {', '.join(p for p in peers if p.startswith('jax-'))} timed back to back in JAX's process"
+              if any(p.startswith("jax-") for p in peers) else "") + "; "
            f"{_clock_range(rows)}).",
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN |"
-           + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
-           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|" + ("---|" if fp8 else "") + "---|"]
+           + (" fp8 / cuflash |" if fp8 else "") + (" fp8 / cuDNN fp8 |" if fp8_cudnn else "") + " clock MHz |",
+           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|" + ("---|" if fp8 else "")
+           + ("---|" if fp8_cudnn else "") + "---|"]
     for key in sorted(cells):
         c = cells[key]
         if "cuflash" not in c:
@@ -80,11 +86,12 @@ def render(results: list[dict], title: str = "Forward") -> str:
         spread = max((r.get("spread_p10_p90") or 0.0) for r in c.values())
         if spread > UNSTEADY_SPREAD:
             flag += f" (unsteady: p10-p90 {spread:.2f} of a median)"
-        speedup = f"{c['cuflash-fp8']['tflops'] / c['cuflash']['tflops']:.2f}" if "cuflash-fp8" in c else "-"
+        fp8_over = lambda name: (f"{c['cuflash-fp8']['tflops'] / c[name]['tflops']:.2f}"
+                                 if "cuflash-fp8" in c and name in c else "-")
         out.append(f"| {key[0]} | {key[1]} | {int(key[2])} | {key[3]} | {tf('cuflash')} | "
                    + " | ".join(tf(p) for p in peers)
                    + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} |"
-                   + (f" {speedup} |" if fp8 else "")
+                   + (f" {fp8_over('cuflash')} |" if fp8 else "") + (f" {fp8_over('jax-cudnn-fp8')} |" if fp8_cudnn else "")
                    + f" {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
     return "\n".join(out) + "\n"
 

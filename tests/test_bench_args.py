@@ -1,11 +1,13 @@
-"""benchmarks/bench_fwd.py's --sm90-tiles and --fp8-tiles rows become fwd_sm90 variants field for field;
-benchmarks/fp8_accuracy.py's study runs on the reference backend."""
+"""benchmarks/bench_fwd.py's --sm90-tiles and --fp8-tiles rows become fwd_sm90 variants field for field,
+and --jax --extra fp8 times cuDNN's FP8 forward; benchmarks/fp8_accuracy.py's study runs on the
+reference backend."""
 import argparse
 import importlib.util
 from pathlib import Path
 
 import pytest
 
+from cuflash import bench
 from cuflash.kernels import fwd_sm90
 
 
@@ -66,6 +68,46 @@ def test_graph_timing_is_refused_for_the_jax_peer_and_counts_calls(tmp_path, cap
         with pytest.raises(SystemExit):
             _bench_fwd().main(["--out", str(tmp_path), "--graph", bad])
         assert "expected a number of calls >= 0" in capsys.readouterr().err
+
+
+def test_jax_process_times_cudnn_fp8_with_extra_fp8(tmp_path, monkeypatch):
+    """--jax asks bench.run_jax for cuDNN's FP8 forward exactly when --extra names fp8."""
+    asked = []
+
+    def run_jax(grid, reps, fp8=False):
+        asked.append((len(grid), reps, fp8))
+        return []
+
+    monkeypatch.setattr(bench, "run_jax", run_jax)
+    grid = ["--headdims", "64,128", "--seqlens", "512", "--causal", "0", "--reps", "7"]
+    for extra, fp8 in ((["--extra", "fp8"], True), ([], False), (["--extra", "sm80"], False)):
+        assert _bench_fwd().main(["--out", str(tmp_path), "--jax", *grid, *extra]) == 0
+        assert asked.pop() == (2, 7, fp8)
+        assert (tmp_path / "fwd_jax.json").exists()
+
+
+def test_jax_peers_say_by_name_where_cudnn_cannot_run(capsys):
+    """On JAX's CPU device neither cuDNN forward runs: each is named unavailable, and no row is made."""
+    jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert bench.run_jax([bench.Config("bfloat16", 64, False, 128, 1, 2)], reps=5, fp8=True) == []
+    err = capsys.readouterr().err
+    for name in ("jax-cudnn", "jax-cudnn-fp8"):
+        assert f"  {name} unavailable for bfloat16 d= 64 causal=0 s=  128: " in err
+
+
+@pytest.mark.gpu
+def test_cudnn_fp8_peer_runs_and_agrees_with_cudnn_bf16():
+    """On the GPU, cuDNN's FP8 forward (the fp8 benchmark's peer) gives a row beside cuDNN's bf16 one,
+    its out within FP8's error of bf16's: standard normal inputs (|v| under ~5), each of v and out
+    rounded to e4m3 (2^-4 relative; measured 0.14 on H100), where a lost descale or P scale would be
+    off by orders of magnitude."""
+    pytest.importorskip("jax")
+    for causal in (False, True):
+        rows = bench.run_jax([bench.Config("bfloat16", 128, causal, 1024, 2, 4)], reps=5, fp8=True)
+        assert [r["impl"] for r in rows] == ["jax-cudnn", "jax-cudnn-fp8"]
+        assert rows[0]["max_abs_diff_vs_first"] == 0 and 0 < rows[1]["max_abs_diff_vs_first"] < 0.5
+        assert all(r["tflops"] > 0 for r in rows)
 
 
 def test_fp8_accuracy_study_runs_on_the_reference(tmp_path, capsys):
