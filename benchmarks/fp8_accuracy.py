@@ -11,7 +11,11 @@ beside cuflash's bf16 attention of the same inputs. Every path starts from the b
 (P rounded to e4m3 in registers included); without one, torch CPU tensors take the reference
 backend's simulation (P exact), as tests/test_fp8.py's study does.
 
-    python benchmarks/fp8_accuracy.py [--headdims 64,128,256] [--seqlens 1024,4096] [--device cuda|cpu]
+--parts splits (a) and (c) by where the rounding is: float64 attention of the bf16 inputs with
+only q and k rounded as (a) or (c) round them ("q, k only"), or only v as (c) rounds it ("v only");
+the parts add about in quadrature to the whole.
+
+    python benchmarks/fp8_accuracy.py [--headdims 64,128,256] [--seqlens 1024,4096] [--device cuda|cpu] [--parts]
 """
 from __future__ import annotations
 
@@ -48,7 +52,17 @@ def per_tensor(x):
     return (x.float() / descale[:, None, :, None]).to(torch.float8_e4m3fn), descale
 
 
-def study(headdim: int, seqlen: int, device: str, seed: int = 0) -> dict[str, float]:
+def dequantized(x8, descale):
+    """x8 times its descales (per head, or per 128-row block of each head), float64."""
+    x = x8.double()
+    if descale.dim() == 3:  # (batch, heads, blocks) -> (batch, seqlen, heads)
+        descale = descale.repeat_interleave(128, dim=2)[:, :, :x.shape[1]].transpose(1, 2)
+    else:
+        descale = descale[:, None, :]
+    return x * descale.double()[..., None]
+
+
+def study(headdim: int, seqlen: int, device: str, seed: int = 0, parts: bool = False) -> dict[str, float]:
     rng = np.random.default_rng([seed, headdim, seqlen])
     exact = [torch.tensor(inputs(rng, (BATCH, seqlen, HEADS, headdim)), device=device) for _ in range(3)]
     want = exact_attention(*exact)
@@ -67,6 +81,12 @@ def study(headdim: int, seqlen: int, device: str, seed: int = 0) -> dict[str, fl
     errors = {"bf16": rmse(cuflash.attention(q, k, v))}
     for name, ((q8, qd), (k8, kd), (v8, vd)) in quantized.items():
         errors[name] = rmse(cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, out_dtype="bfloat16"))
+    if parts:  # (c)'s q and k are in the transform's basis, where their scores are q k^T's
+        for label, name in (("(a)", "(a) per tensor"), ("(c)", "(c) per 128 rows + Hadamard")):
+            (q8, qd), (k8, kd), _ = quantized[name]
+            errors[f"{label} q, k only"] = rmse(exact_attention(dequantized(q8, qd), dequantized(k8, kd), v.double()))
+        v8, vd = quantized["(c) per 128 rows + Hadamard"][2]
+        errors["v only"] = rmse(exact_attention(q.double(), k.double(), dequantized(v8, vd)))
     return errors
 
 
@@ -88,8 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlens", default="1024,4096")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--parts", action="store_true", help="also the errors of rounding q and k only, or v only")
     args = parser.parse_args(argv)
-    rows = [(h, s, study(h, s, args.device)) for h in map(int, args.headdims.split(","))
+    rows = [(h, s, study(h, s, args.device, parts=args.parts)) for h in map(int, args.headdims.split(","))
             for s in map(int, args.seqlens.split(","))]
     where = (f"{torch.cuda.get_device_name()}, cuflash's kernels" if args.device == "cuda"
              else "CPU, the reference backend's FP8 simulation (P exact)")

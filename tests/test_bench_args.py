@@ -124,3 +124,18 @@ def test_fp8_accuracy_study_runs_on_the_reference(tmp_path, capsys):
     for _, _, bf16, a, b, c, ratio in rows:
         bf16, a, b, c = map(float, (bf16, a, b, c))
         assert bf16 < c / 4 and c < b < a and float(ratio) == pytest.approx(a / c, abs=0.01)
+
+
+def test_fp8_accuracy_parts_split_the_errors(capsys):
+    """--parts: rounding q and k only, or v only, each errs less than rounding all three, and the
+    transform lowers q and k's part."""
+    pytest.importorskip("torch")
+    assert _script("fp8_accuracy").main(["--headdims", "64", "--seqlens", "300", "--device", "cpu", "--parts"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("| head dim"))
+    names = [cell.strip() for cell in header.split("|")[1:-1]]
+    assert names[-4:] == ["(a) q, k only", "(c) q, k only", "v only", "(a) / (c)"]
+    row = dict(zip(names, (cell.strip() for cell in next(line for line in lines if line.startswith("| 64 |")).split("|")[1:-1])))
+    err = {name: float(row[name]) for name in names[2:-1]}
+    a, c = err["(a) per tensor"], err["(c) per 128 rows + Hadamard"]
+    assert err["(c) q, k only"] < err["(a) q, k only"] < a and err["(c) q, k only"] < c and err["v only"] < c
