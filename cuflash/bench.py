@@ -11,8 +11,8 @@ implementation then runs many calls back to back; benchmarks/NOTES-fp8.md, sessi
 timing is for short rows. Peers in the
 same process: torch SDPA's FLASH_ATTENTION backend (FlashAttention-2 inside PyTorch) and its
 CUDNN_ATTENTION backend. JAX's cuDNN attention runs in its own process (JAX takes most of the GPU's
-memory when it starts), timed over back-to-back calls; so does cuDNN's FP8 forward, which only JAX
-reaches (`run_jax(fp8=True)`). Every row records the SM clock, temperature
+memory when it starts), timed over programs of back-to-back calls; so does cuDNN's FP8 forward,
+which only JAX reaches (`run_jax(fp8=True)`). Every row records the SM clock, temperature
 and throttle reasons; a throttled row is marked.
 
 Backward rows time the backward alone (the forward's out and lse are inputs), FLOPs counted as
@@ -398,48 +398,65 @@ def _jax_cudnn_fp8(q, k, v, causal: bool):
     return call, (q8, k8, v8, params)
 
 
+JAX_CALLS = 5  # calls of a JAX peer per timed XLA program (_jax_repeated)
+
+
+def _jax_repeated(call):
+    """One jitted program that makes a call of `call` on each argument tuple it is given, back to back
+    on the GPU with no host work between them (timed one by one, a call's dispatch through JAX
+    showed: cuDNN's bf16 forward at head dim 128 causal 512 read 202 TFLOPs there against 329
+    through torch). The tuples must hold different arrays: XLA merges identical calls."""
+    import jax
+
+    return jax.jit(lambda arg_tuples: [call(*args) for args in arg_tuples])
+
+
 def run_jax(grid: list[Config], reps: int = 30, fp8: bool = False) -> list[dict]:
     """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`, jax-cudnn), forward,
     in this process: call it in a process of its own (run_jax_process). With fp8, cuDNN's FP8 forward
-    beside it (jax-cudnn-fp8, _jax_cudnn_fp8), the two timed in turn; each row's
-    max_abs_diff_vs_first is against jax-cudnn's out."""
+    beside it (jax-cudnn-fp8, _jax_cudnn_fp8), the two timed in turn, each timing one program of
+    JAX_CALLS calls (_jax_repeated); each row's max_abs_diff_vs_first is against jax-cudnn's out."""
     import jax
     import jax.numpy as jnp
 
     rows = []
     for config in grid:
-        keys = jax.random.split(jax.random.PRNGKey(config.seqlen * config.headdim), 3)
+        keys = jax.random.split(jax.random.PRNGKey(config.seqlen * config.headdim), JAX_CALLS + 2)
         shape = (config.batch, config.seqlen, config.nheads, config.headdim)
-        q, k, v = (jax.random.normal(key, shape, getattr(jnp, config.dtype)) for key in keys)
-        impls = {"jax-cudnn": lambda: (jax.jit(lambda q, k, v, causal=config.causal: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v))}
+        k, v, *qs = (jax.random.normal(key, shape, getattr(jnp, config.dtype)) for key in keys)
+
+        def cudnn_bf16(q, causal=config.causal):
+            return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)
+
+        impls = {"jax-cudnn": cudnn_bf16}
         if fp8:
-            impls["jax-cudnn-fp8"] = lambda: _jax_cudnn_fp8(q, k, v, config.causal)
+            impls["jax-cudnn-fp8"] = lambda q, causal=config.causal: _jax_cudnn_fp8(q, k, v, causal)
         calls, outputs = {}, {}
         for name, make in impls.items():
-            try:
-                call, args = make()
-                outputs[name] = call(*args).astype(jnp.float32).block_until_ready()
+            try:  # (a query tensor of its own for each call of a timed program)
+                made = [make(q) for q in qs]
+                outputs[name] = made[0][0](*made[0][1]).astype(jnp.float32).block_until_ready()
             except Exception as e:  # cuDNN may not support a configuration (nor JAX have the FP8 entry)
                 print(f"  {name} unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
                 continue
-            calls[name] = (call, args)
+            calls[name] = (_jax_repeated(made[0][0]), [args for _, args in made])
+            jax.block_until_ready(calls[name][0](calls[name][1]))  # compiled before the timing
         if not calls:
             continue
         samples = {name: [] for name in calls}
-        for _ in range(max(reps // 5, 1)):
-            for name, (call, args) in calls.items():
+        for _ in range(max(reps // JAX_CALLS, 1)):
+            for name, (call, arg_tuples) in calls.items():
                 t0 = time.perf_counter()
-                for _ in range(5):  # back-to-back: XLA queues them, so dispatch overlaps the previous call
-                    out = call(*args)
-                out.block_until_ready()
-                samples[name].append((time.perf_counter() - t0) * 1e3 / 5)
+                jax.block_until_ready(call(arg_tuples))
+                samples[name].append((time.perf_counter() - t0) * 1e3 / JAX_CALLS)
         state = gpu_state()
         first = next(iter(outputs.values()))
         for name, ts in samples.items():
             ms = statistics.median(ts)
             rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops() / ms / 1e9, backward=False,
-                             max_abs_diff_vs_first=float(jnp.max(jnp.abs(outputs[name] - first))), **state))
+                             max_abs_diff_vs_first=float(jnp.max(jnp.abs(outputs[name] - first))),
+                             jax_calls=JAX_CALLS, **state))
             print(f"{config.label()}: {name} {rows[-1]['tflops']:6.1f}", file=sys.stderr, flush=True)
     return rows
 

@@ -55,6 +55,13 @@ def _versions(results: list[dict]) -> dict:
     return merged
 
 
+def _jax_timing(rows: list[dict]) -> str:
+    """How the JAX process timed its rows: programs of jax_calls calls each (cuflash.bench._jax_repeated),
+    or, in runs before that field, calls dispatched one by one."""
+    calls = {r.get("jax_calls") for r in rows if r["impl"].startswith("jax-")}
+    return f"programs of {calls.pop()} calls" if len(calls) == 1 and None not in calls else "calls back to back"
+
+
 def render(results: list[dict], title: str = "Forward") -> str:
     """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the FP8
     kernel's (per-head scales) to cuflash's 16-bit one and to cuDNN's FP8 forward, the clock."""
@@ -68,7 +75,7 @@ def render(results: list[dict], title: str = "Forward") -> str:
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
            + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
-           + (f"; {', '.join(p for p in peers if p.startswith('jax-'))} timed back to back in JAX's process"
+           + (f"; {', '.join(p for p in peers if p.startswith('jax-'))} timed in JAX's process, {_jax_timing(rows)}"
               if any(p.startswith("jax-") for p in peers) else "") + "; "
            f"{_clock_range(rows)}).",
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",

@@ -180,13 +180,19 @@ def test_report_compares_fp8_with_cudnn_fp8(tmp_path):
     """cuDNN's FP8 forward (JAX's process) gets a column, and the FP8 kernel a ratio to it."""
     (tmp_path / "fwd_torch.json").write_text(json.dumps(_document({"cuflash": 600, "torch-cudnn": 640,
                                                                    "cuflash-fp8": 900})))
-    (tmp_path / "fwd_jax.json").write_text(json.dumps(_document({"jax-cudnn": 620, "jax-cudnn-fp8": 1000})))
+    jax_document = _document({"jax-cudnn": 620, "jax-cudnn-fp8": 1000})
+    (tmp_path / "fwd_jax.json").write_text(json.dumps(jax_document))
     assert [p.name for p in report.write(tmp_path, charts=True)] == ["fwd.md", "fwd_bfloat16.png"]
     table = (tmp_path / "fwd.md").read_text()
-    assert "jax-cudnn, jax-cudnn-fp8 timed back to back in JAX's process" in table
+    assert "jax-cudnn, jax-cudnn-fp8 timed in JAX's process, calls back to back" in table  # (runs before jax_calls)
     assert ("| cuflash | torch-cudnn | jax-cudnn | cuflash-fp8 | jax-cudnn-fp8 | cuflash / FA2 | cuflash / cuDNN | "
             "fp8 / cuflash | fp8 / cuDNN fp8 | clock MHz |") in table
     assert "| bfloat16 | 128 | 0 | 4096 | 600 | 640 | 620 | 900 | 1000 | - | 0.94 | 1.50 | 0.90 | 1980 |" in table
+    for row in jax_document["rows"]:
+        row["jax_calls"] = 5
+    (tmp_path / "fwd_jax.json").write_text(json.dumps(jax_document))
+    report.write(tmp_path, charts=False)
+    assert "jax-cudnn, jax-cudnn-fp8 timed in JAX's process, programs of 5 calls" in (tmp_path / "fwd.md").read_text()
 
 
 def test_report_marks_unsteady_rows():
