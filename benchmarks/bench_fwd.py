@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)
     if args.jax and args.graph:
-        parser.error("--graph times the torch process's implementations; --jax runs JAX's peer back to back")
+        parser.error("--graph times the torch process's implementations; --jax times JAX's peers in programs of "
+                     "back-to-back calls")
     if args.jax:
         rows = bench.run_jax(grid, args.reps, fp8="fp8" in (args.extra or ()))
     else:
