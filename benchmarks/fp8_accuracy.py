@@ -12,8 +12,9 @@ beside cuflash's bf16 attention of the same inputs. Every path starts from the b
 backend's simulation (P exact), as tests/test_fp8.py's study does.
 
 --parts splits (a) and (c) by where the rounding is: float64 attention of the bf16 inputs with
-only q and k rounded as (a) or (c) round them ("q, k only"), or only v as (c) rounds it ("v only");
-the parts add about in quadrature to the whole.
+only q and k rounded as (a) or (c) round them ("q, k only"), or only v as (c) rounds it ("v only";
+(a)'s one scale for v gives within a few % of it: e4m3 rounds to 2^-4 relative at any scale); the
+parts add about in quadrature to the whole.
 
     python benchmarks/fp8_accuracy.py [--headdims 64,128,256] [--seqlens 1024,4096] [--device cuda|cpu] [--parts]
 """
@@ -53,7 +54,8 @@ def per_tensor(x):
 
 
 def dequantized(x8, descale):
-    """x8 times its descales (per head, or per 128-row block of each head), float64."""
+    """x8 times its descales (per head, or per 128-row block of each head), float64: on torch
+    tensors what reference.dequantize_fp8 does on NumPy arrays."""
     x = x8.double()
     if descale.dim() == 3:  # (batch, heads, blocks) -> (batch, seqlen, heads)
         descale = descale.repeat_interleave(128, dim=2)[:, :, :x.shape[1]].transpose(1, 2)

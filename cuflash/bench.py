@@ -371,31 +371,50 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
     return rows
 
 
-def _jax_cudnn_fp8(q, k, v, causal: bool):
+def _jax_cudnn_bf16(qs, k, v, causal: bool):
+    """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`): (call, one
+    argument tuple per q)."""
+    import jax
+
+    call = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
+    return call, [(q, k, v) for q in qs]
+
+
+def _jax_cudnn_fp8(qs, k, v, causal: bool):
     """cuDNN's FP8 forward through JAX (`use_fp8=True` of jax._src.cudnn.fused_attention_stablehlo's
-    dot_product_attention: JAX has no public entry to it, so a JAX release may move it, and then
-    this raises): q, k and v rounded to e4m3 with one scale per tensor (amax / 448; cuDNN takes
-    per-tensor descales), P scaled by 2^8 before its rounding to e4m3 (as cuflash's kernel does),
-    out in e4m3 with unit scale (cuDNN's FP8 forward writes e4m3 and the amaxes of P and O; cuflash
-    writes bf16). (call, args) for the timing loop."""
+    dot_product_attention: JAX has no public entry to it, so a JAX release may move it; then this
+    raises NotImplementedError): q, k and v rounded to e4m3 with one scale per tensor (amax / 448;
+    cuDNN takes per-tensor descales), P scaled by 2^8 before its rounding to e4m3 (as cuflash's
+    kernel does), out in e4m3 with unit scale (cuDNN's FP8 forward writes e4m3 and the amaxes of P
+    and O; cuflash writes bf16). (call, one argument tuple per q; k and v rounded once)."""
     import jax
     import jax.numpy as jnp
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        fp8_params_keys, mask_types, sdpa = cudnn.fp8_params_keys, cudnn.MaskType, cudnn.dot_product_attention
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(f"this JAX ({jax.__version__}) has no cuDNN FP8 entry where cuflash looks: {e}")
 
     def quantized(x):
         descale = jnp.max(jnp.abs(x.astype(jnp.float32))) / 448.0
         return (x.astype(jnp.float32) / descale).astype(jnp.float8_e4m3fn), descale.reshape(1, 1, 1, 1)
 
-    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantized(x) for x in (q, k, v))
+    (k8, k_descale), (v8, v_descale) = quantized(k), quantized(v)
     one = jnp.ones((1, 1, 1, 1), jnp.float32)
-    params = dict.fromkeys(cudnn.fp8_params_keys, one)  # the backward's scales: unused by the forward
-    params.update(descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, scale_s=one * 2.0**8,
-                  descale_s=one * 2.0**-8, scale_o=one)
-    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-    scale = q.shape[-1] ** -0.5
-    call = jax.jit(lambda q8, k8, v8, params: cudnn.dot_product_attention(
-        q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask, qkv_layout="BTNH", use_fp8=True)[0])
-    return call, (q8, k8, v8, params)
+    mask = mask_types.CAUSAL if causal else mask_types.NO_MASK
+    scale = k.shape[-1] ** -0.5
+    call = jax.jit(lambda q8, k8, v8, params: sdpa(q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask,
+                                                   qkv_layout="BTNH", use_fp8=True)[0])
+    arg_tuples = []
+    for q in qs:
+        q8, q_descale = quantized(q)
+        params = dict.fromkeys(fp8_params_keys, one)  # the backward's scales: unused by the forward
+        params.update(descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, scale_s=one * 2.0**8,
+                      descale_s=one * 2.0**-8, scale_o=one)
+        arg_tuples.append((q8, k8, v8, params))
+    return call, arg_tuples
 
 
 JAX_CALLS = 5  # calls of a JAX peer per timed XLA program (_jax_repeated)
@@ -405,18 +424,20 @@ def _jax_repeated(call):
     """One jitted program that makes a call of `call` on each argument tuple it is given, back to back
     on the GPU with no host work between them, so that JAX's dispatch of each call drops out of the
     timing (cuDNN's bf16 forward at head dim 128 causal 512, H100: 202 TFLOPs timed call by call, 226
-    in programs of 5; 328 through torch). The tuples must hold different arrays: XLA merges
-    identical calls, across optimization barriers too."""
+    in programs of 5; 328 through torch). run_jax gives each call a q of its own, so that no call
+    finds its q in L2 from the call before (an FA3-sized q in e4m3 is 32 MB, H100's L2 50 MB)."""
     import jax
 
     return jax.jit(lambda arg_tuples: [call(*args) for args in arg_tuples])
 
 
 def run_jax(grid: list[Config], reps: int = 30, fp8: bool = False) -> list[dict]:
-    """JAX's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`, jax-cudnn), forward,
-    in this process: call it in a process of its own (run_jax_process). With fp8, cuDNN's FP8 forward
-    beside it (jax-cudnn-fp8, _jax_cudnn_fp8), the two timed in turn, each timing one program of
-    JAX_CALLS calls (_jax_repeated); each row's max_abs_diff_vs_first is against jax-cudnn's out."""
+    """JAX's cuDNN attention (jax-cudnn, _jax_cudnn_bf16), forward, in this process: call it in a
+    process of its own (run_jax_process). With fp8, cuDNN's FP8 forward beside it (jax-cudnn-fp8,
+    _jax_cudnn_fp8), the two timed in turn, each timing one program of JAX_CALLS calls
+    (_jax_repeated). A peer that cannot run a configuration (cuDNN's refusal, an XLA error) is left
+    out with a message; each row's max_abs_diff_vs_first is against the first peer's out (jax-cudnn's
+    where it ran)."""
     import jax
     import jax.numpy as jnp
 
@@ -425,31 +446,25 @@ def run_jax(grid: list[Config], reps: int = 30, fp8: bool = False) -> list[dict]
         keys = jax.random.split(jax.random.PRNGKey(config.seqlen * config.headdim), JAX_CALLS + 2)
         shape = (config.batch, config.seqlen, config.nheads, config.headdim)
         k, v, *qs = (jax.random.normal(key, shape, getattr(jnp, config.dtype)) for key in keys)
-
-        def cudnn_bf16(q, causal=config.causal):
-            return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v)
-
-        impls = {"jax-cudnn": cudnn_bf16}
-        if fp8:
-            impls["jax-cudnn-fp8"] = lambda q, causal=config.causal: _jax_cudnn_fp8(q, k, v, causal)
-        calls, outputs = {}, {}
-        for name, make in impls.items():
-            try:  # (a query tensor of its own for each call of a timed program)
-                made = [make(q) for q in qs]
-                outputs[name] = made[0][0](*made[0][1]).astype(jnp.float32).block_until_ready()
-            except Exception as e:  # cuDNN may not support a configuration (nor JAX have the FP8 entry)
+        makers = {"jax-cudnn": _jax_cudnn_bf16, **({"jax-cudnn-fp8": _jax_cudnn_fp8} if fp8 else {})}
+        programs, outputs = {}, {}
+        for name, make in makers.items():
+            try:
+                call, arg_tuples = make(qs, k, v, config.causal)
+                outputs[name] = call(*arg_tuples[0]).astype(jnp.float32).block_until_ready()
+                programs[name] = (_jax_repeated(call), arg_tuples)
+                jax.block_until_ready(programs[name][0](arg_tuples))  # compiled (and run once) before the timing
+            except (RuntimeError, NotImplementedError, ValueError) as e:  # cuDNN's refusals, XLA's errors
                 print(f"  {name} unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
-                continue
-            calls[name] = (_jax_repeated(made[0][0]), [args for _, args in made])
-            jax.block_until_ready(calls[name][0](calls[name][1]))  # compiled before the timing
-        if not calls:
+                outputs.pop(name, None)
+                programs.pop(name, None)
+        if not programs:
             continue
-        samples = {name: [] for name in calls}
+        samples = {name: [] for name in programs}
         for _ in range(max(reps // JAX_CALLS, 1)):
-            for name, (call, arg_tuples) in calls.items():
+            for name, (program, arg_tuples) in programs.items():
                 t0 = time.perf_counter()
-                jax.block_until_ready(call(arg_tuples))
+                jax.block_until_ready(program(arg_tuples))
                 samples[name].append((time.perf_counter() - t0) * 1e3 / JAX_CALLS)
         state = gpu_state()
         first = next(iter(outputs.values()))

@@ -77,7 +77,9 @@ def render(results: list[dict], title: str = "Forward") -> str:
            + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
            + (f"; {', '.join(p for p in peers if p.startswith('jax-'))} timed in JAX's process, {_jax_timing(rows)}"
               if any(p.startswith("jax-") for p in peers) else "") + "; "
-           f"{_clock_range(rows)}).",
+           f"{_clock_range(rows)})."
+           + (" fp8 / cuDNN fp8 divides times from the two processes (CUDA events in torch's, the wall clock of"
+              " JAX's programs) of kernels that write bf16 (cuflash) and e4m3 (cuDNN)." if fp8_cudnn else ""),
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN |"
            + (" fp8 / cuflash |" if fp8 else "") + (" fp8 / cuDNN fp8 |" if fp8_cudnn else "") + " clock MHz |",

@@ -81,6 +81,7 @@ def test_jax_process_times_cudnn_fp8_with_extra_fp8(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_jax", run_jax)
     grid = ["--headdims", "64,128", "--seqlens", "512", "--causal", "0", "--reps", "7"]
     for extra, fp8 in ((["--extra", "fp8"], True), ([], False), (["--extra", "sm80"], False)):
+        (tmp_path / "fwd_jax.json").unlink(missing_ok=True)
         assert _bench_fwd().main(["--out", str(tmp_path), "--jax", *grid, *extra]) == 0
         assert asked.pop() == (2, 7, fp8)
         assert (tmp_path / "fwd_jax.json").exists()
@@ -94,6 +95,23 @@ def test_jax_peers_say_by_name_where_cudnn_cannot_run(capsys):
     err = capsys.readouterr().err
     for name in ("jax-cudnn", "jax-cudnn-fp8"):
         assert f"  {name} unavailable for bfloat16 d= 64 causal=0 s=  128: " in err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_fp8_peer_traces_to_cudnns_fp8_forward(monkeypatch, causal):
+    """The FP8 peer's call, traced with cuDNN's version check answered (no GPU here): JAX accepts its
+    FP8 parameters and layout and gives e4m3 out of q's shape, one argument tuple per q."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91900)
+    shape = (2, 256, 4, 128)
+    k, v, *qs = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i in range(4))
+    call, arg_tuples = bench._jax_cudnn_fp8(qs, k, v, causal)
+    assert len(arg_tuples) == 2 and all(args[1] is arg_tuples[0][1] for args in arg_tuples)  # k rounded once
+    out = jax.eval_shape(call, *arg_tuples[1])
+    assert out.shape == shape and out.dtype == jnp.float8_e4m3fn
 
 
 @pytest.mark.gpu
