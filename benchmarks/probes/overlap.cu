@@ -1,0 +1,133 @@
+// Overlap probe: how much one warpgroup's e4m3 wgmma and another warpgroup's ALU or SFU work slow
+// each other on one SM (benchmarks/probes/overlap.py runs it; benchmarks/NOTES-fp8.md, session 29).
+// A CTA of two warpgroups per SM, each given a role; every role repeats its loop `iters` times and
+// its first thread records the cycles the loop took.
+//   gemm_ss: S = Q K^T as fwd_sm90 issues it at head dim 128 with 192-key blocks (4 x m64n192k32,
+//            both operands in shared memory), then a wait: one block's S per iteration.
+//   gemm_rs: O += P V likewise (6 x m64n128k32, P from registers).
+//   softmax: 96 scores a thread per iteration, as a block's softmax treats them: FFMA (scale and
+//            maximum), MUFU.EX2, FADD (row sum).
+//   mufu, ffma, fmnmx, fadd: 96 independent one-instruction chains a thread per iteration, each
+//            instruction an `asm volatile` so that it is issued as written.
+#include "common/sm80.cuh"
+#include "common/sm90.cuh"
+#include "common/wgmma.cuh"
+
+using namespace cuflash;
+
+enum Role : int { kIdle, kGemmSS, kGemmRS, kSoftmax, kMufu, kFfma, kFmnmx, kFadd };
+constexpr int kScores = 96;  // a thread's S accumulators of a 64 x 192 block
+
+__device__ __forceinline__ float gemm_ss(int iters, unsigned long long desc_q, unsigned long long desc_k) {
+  float s[kScores];
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+  for (int it = 0; it < iters; ++it) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Wgmma<e4m3_t, 192>::ss(s, desc_q + k_major_step(kk, 64), desc_k + k_major_step(kk, 192), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(s);
+  }
+  float r = 0.f;
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) r += s[i];
+  return r;
+}
+
+__device__ __forceinline__ float gemm_rs(int iters, unsigned long long desc_vt) {
+  float o[64];
+  unsigned pa[6][4];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 6; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[j][r] = 0x30303030u;  // e4m3 0.75 in every byte
+  for (int it = 0; it < iters; ++it) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 6; ++kk) {  // 32-byte k steps within V^T's 128-key atom, then the next atom
+      Wgmma<e4m3_t, 128>::rs(o, pa[kk], desc_vt + (kk / 4) * (128 * 128 >> 4) + (kk % 4) * (32 >> 4), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(o);
+  }
+  float r = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) r += o[i];
+  return r;
+}
+
+__device__ __forceinline__ float softmax(int iters) {
+  float x[kScores], sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < kScores; ++c) x[c] = -0.01f * static_cast<float>((threadIdx.x + c) % 37);
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int c = 0; c < kScores; ++c) {
+      const float p = ex2(fmaf(x[c], 1.f, -1.f));  // in (0, 1/2]
+      sum += p;
+      x[c] = -p;
+    }
+  }
+  return sum;
+}
+
+template <Role kRole>
+__device__ __forceinline__ float chains(int iters) {
+  float x[kScores];
+#pragma unroll
+  for (int c = 0; c < kScores; ++c) x[c] = 0.01f * static_cast<float>((threadIdx.x + c) % 37);
+  const float a = 0.5f, b = 0.25f;
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int c = 0; c < kScores; ++c) {
+      if constexpr (kRole == kMufu) asm volatile("ex2.approx.ftz.f32 %0, %0;" : "+f"(x[c]));
+      if constexpr (kRole == kFfma) asm volatile("fma.rn.ftz.f32 %0, %0, %1, %2;" : "+f"(x[c]) : "f"(a), "f"(b));
+      if constexpr (kRole == kFmnmx) asm volatile("max.ftz.f32 %0, %0, %1;" : "+f"(x[c]) : "f"(x[(c + 1) % kScores]));
+      if constexpr (kRole == kFadd) asm volatile("add.ftz.f32 %0, %0, %1;" : "+f"(x[c]) : "f"(b));
+    }
+  }
+  float r = 0.f;
+#pragma unroll
+  for (int c = 0; c < kScores; ++c) r += x[c];
+  return r;
+}
+
+// Shared memory: Q (64 rows), K (192 rows) and V^T (128 rows of 256 keys, two 128-byte atoms), all
+// e4m3 0.75, 1024-byte aligned for the 128-byte swizzle.
+constexpr unsigned kSharedBytes = (64 + 192 + 2 * 128) * 128 + 1024;
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    overlap_probe(int role0, int role1, int iters_gemm, int iters_other, float* sink, long long* cycles) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
+  for (unsigned i = threadIdx.x; i < (kSharedBytes - 1024) / 4; i += blockDim.x) st_shared_b32(base + 4 * i, 0x30303030u);
+  fence_proxy_async_shared();  // the generic-proxy writes before the wgmmas' async-proxy reads
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  const int role = wg == 0 ? role0 : role1;
+  const unsigned long long desc_q = smem_descriptor_sw128(base, 16, 1024);
+  const unsigned long long desc_k = smem_descriptor_sw128(base + 64 * 128, 16, 1024);
+  const unsigned long long desc_vt = smem_descriptor_sw128(base + (64 + 192) * 128, 16, 1024);
+  const long long t0 = clock64();
+  float r = 0.f;
+  switch (role) {
+    case kGemmSS: r = gemm_ss(iters_gemm, desc_q, desc_k); break;
+    case kGemmRS: r = gemm_rs(iters_gemm, desc_vt); break;
+    case kSoftmax: r = softmax(iters_other); break;
+    case kMufu: r = chains<kMufu>(iters_other); break;
+    case kFfma: r = chains<kFfma>(iters_other); break;
+    case kFmnmx: r = chains<kFmnmx>(iters_other); break;
+    case kFadd: r = chains<kFadd>(iters_other); break;
+    default: break;
+  }
+  const long long t1 = clock64();
+  if (r == 12345.f) sink[threadIdx.x] = r;  // (never: keeps the work live)
+  if (threadIdx.x % 128 == 0) cycles[2 * blockIdx.x + wg] = t1 - t0;
+}
