@@ -17,11 +17,27 @@ def _overlap():
 
 
 def test_overlap_probe_compiles_to_one_cta_an_sm_without_spills():
-    report = _overlap().offline_report("sm_90a")
+    from cuflash import toolchain
+    overlap = _overlap()
+    program = toolchain.compile_cubin(overlap.SOURCE.read_text(), name=overlap.SOURCE.name,
+                                      options=(*overlap.compile_options("sm_90a"), "-Xptxas=-v"), name_expressions=[])
+    report = toolchain.parse_ptxas_report(program.log)[overlap.KERNEL]
     assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_frame == 0
-    # The probe's premise: one CTA (two warpgroups) an SM, so the roles meet on every SM. Its
-    # 256 threads at more than 128 registers each leave no room for a second CTA.
-    assert 128 < report.registers <= 255
+    # The probe's premise: one CTA (two warpgroups) an SM, so the roles meet on every SM. Its 256
+    # threads at more than 128 registers each leave no room for a second CTA.
+    assert report.registers > 128
+    assert "(C75" not in program.log, program.log  # no wgmma serialised: the GEMM roles run as written
+    ops = toolchain.sass_opcode_histogram(program.cubin)[overlap.KERNEL]
+    assert ops.get("QGMMA", 0) > 0 and ops.get("MUFU", 0) >= 2 * 96 and ops.get("FMNMX", 0) >= 96, ops
+
+
+def test_overlap_probe_host_names_the_roles_and_shared_memory_of_its_kernel():
+    overlap = _overlap()
+    source = overlap.SOURCE.read_text()
+    roles = re.search(r"enum Role : int \{([^}]*)\}", source).group(1)
+    assert [name.strip()[1:].lower() for name in roles.split(",")] == [r.replace("_", "") for r in overlap.ROLES]
+    shared = re.search(r"constexpr unsigned kSharedBytes = ([\d ()+*]+);", source).group(1)
+    assert eval(shared) == overlap.SHARED_BYTES  # (digits, spaces, + * and parentheses only)
 
 
 @pytest.mark.gpu

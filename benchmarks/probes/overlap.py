@@ -2,8 +2,8 @@
 
 Runs overlap.cu (one CTA of two warpgroups per SM, every SM) with each role alone and beside a
 GEMM role, and prints the cycles each warpgroup's loop took: alone, together, and the slowdown.
-Where two roles overlap perfectly, each keeps its time alone; where they share a resource, both
-slow. Findings and numbers: benchmarks/NOTES-fp8.md (session 29).
+Where two roles overlap perfectly, each keeps its time alone; where they share a resource, one or
+both slow. Findings and numbers: benchmarks/NOTES-fp8.md (session 29).
 
   python benchmarks/probes/overlap.py [--iters-gemm 2000] [--iters-other 1000]
 """
@@ -17,16 +17,9 @@ SHARED_BYTES = (64 + 192 + 2 * 128) * 128 + 1024  # overlap.cu's kSharedBytes
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
+    """cuflash's own (overlap.cu includes cuda_src/common/)."""
     from cuflash import jit
-    return (*jit.compile_options(arch), f"-I{SOURCE.parent}")
-
-
-def offline_report(arch: str = "sm_90a"):
-    """ptxas's resource report of the probe, compiled here (no GPU): cuflash.toolchain's."""
-    from cuflash import toolchain
-    program = toolchain.compile_cubin(SOURCE.read_text(), name=SOURCE.name,
-                                      options=(*compile_options(arch), "-Xptxas=-v"), name_expressions=[])
-    return toolchain.parse_ptxas_report(program.log)[KERNEL]
+    return jit.compile_options(arch)
 
 
 def main(argv=None) -> int:
@@ -61,7 +54,8 @@ def main(argv=None) -> int:
     alone = {role: cycles_of(role, "idle")[0] for role in ROLES[1:]}
     print(f"{device.id}: {cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, {sms} SMs; "
           f"iterations: GEMM {args.iters_gemm}, others {args.iters_other}")
-    print("kcycles a warpgroup's loop took: alone (role 0 / role 1), together (role 0 / role 1), slowdown")
+    print("kcycles a warpgroup's loop took: alone (each role on warpgroup 0, warpgroup 1 idle), together "
+          "(warpgroup 0 / 1), slowdown")
     for gemm in ("gemm_ss", "gemm_rs"):
         for other in ROLES[1:]:
             together = cycles_of(gemm, other)
