@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import ml_dtypes
 import numpy as np
 import torch
 
 import cuflash
+from cuflash import reference
 
 BATCH, HEADS, OUTLIERS = 2, 4, 0.001
 
@@ -54,14 +56,10 @@ def per_tensor(x):
 
 
 def dequantized(x8, descale):
-    """x8 times its descales (per head, or per 128-row block of each head), float64: on torch
-    tensors what reference.dequantize_fp8 does on NumPy arrays."""
-    x = x8.double()
-    if descale.dim() == 3:  # (batch, heads, blocks) -> (batch, seqlen, heads)
-        descale = descale.repeat_interleave(128, dim=2)[:, :, :x.shape[1]].transpose(1, 2)
-    else:
-        descale = descale[:, None, :]
-    return x * descale.double()[..., None]
+    """x8 times its descales (per head, or per 128-row block of each head), float64, on x8's
+    device: reference.dequantize_fp8 on torch tensors."""
+    codes = x8.cpu().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return torch.from_numpy(reference.dequantize_fp8(codes, descale.cpu().numpy())).to(x8.device)
 
 
 def study(headdim: int, seqlen: int, device: str, seed: int = 0, parts: bool = False) -> dict[str, float]:

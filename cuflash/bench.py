@@ -457,8 +457,6 @@ def run_jax(grid: list[Config], reps: int = 30, fp8: bool = False) -> list[dict]
                 programs[name] = (program, arg_tuples)
             except (RuntimeError, NotImplementedError, ValueError) as e:  # cuDNN's refusals, XLA's errors
                 print(f"  {name} unavailable for {config.label()}: {str(e)[:120]}", file=sys.stderr, flush=True)
-                outputs.pop(name, None)
-                programs.pop(name, None)
         if not programs:
             continue
         samples = {name: [] for name in programs}

@@ -17,10 +17,10 @@ def _overlap():
 
 
 def test_overlap_probe_compiles_to_one_cta_an_sm_without_spills():
-    from cuflash import toolchain
+    from cuflash import jit, toolchain
     overlap = _overlap()
     program = toolchain.compile_cubin(overlap.SOURCE.read_text(), name=overlap.SOURCE.name,
-                                      options=(*overlap.compile_options("sm_90a"), "-Xptxas=-v"), name_expressions=[])
+                                      options=(*jit.compile_options("sm_90a"), "-Xptxas=-v"), name_expressions=[])
     report = toolchain.parse_ptxas_report(program.log)[overlap.KERNEL]
     assert report.spill_stores == 0 and report.spill_loads == 0 and report.stack_frame == 0
     # The probe's premise: one CTA (two warpgroups) an SM, so the roles meet on every SM. Its 256

@@ -16,12 +16,6 @@ SOURCE = Path(__file__).with_suffix(".cu")
 SHARED_BYTES = (64 + 192 + 2 * 128) * 128 + 1024  # overlap.cu's kSharedBytes
 
 
-def compile_options(arch: str) -> tuple[str, ...]:
-    """cuflash's own (overlap.cu includes cuda_src/common/)."""
-    from cuflash import jit
-    return jit.compile_options(arch)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters-gemm", type=int, default=2000, help="GEMM roles' iterations")
@@ -36,7 +30,8 @@ def main(argv=None) -> int:
     arch = jit.arch_for(jit.device_compute_capability(device.id))
     if arch != "sm_90a":
         raise SystemExit(f"the probe issues wgmma: it needs a Hopper GPU (sm_90a), not {arch}")
-    kernel = cupy.RawModule(code=SOURCE.read_text(), options=compile_options(arch)).get_function(KERNEL)
+    # cuflash's compile options: overlap.cu includes cuda_src/common/
+    kernel = cupy.RawModule(code=SOURCE.read_text(), options=jit.compile_options(arch)).get_function(KERNEL)
     kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
     sms = device.attributes["MultiProcessorCount"]
     sink = cupy.zeros(256, cupy.float32)
