@@ -252,7 +252,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
-          bool kVPreTransposed, int kQBuffers>
+          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -279,7 +279,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // second of a 160- or 192-key block holds 32 or 64 of them; its TMA box brings 128 keys, the GEMM
   // reads those).
   constexpr int kVKeyAtoms = (kBlockN + 127) / 128;
-  constexpr unsigned kVAtomBytes = kHeadDim * 128;  // e4m3 V^T: one 128-key swizzle atom, kHeadDim rows
+  // kTensorRowSums (e4m3, calls without the LSE): P V also sums P's rows. Below V^T's kHeadDim rows
+  // each atom holds kSumColumns rows of ones, written once, which TMA and the transposing warps
+  // never touch: P V's N is kHeadDim + kSumColumns, and the last columns of O are each row's sum
+  // of P as rounded to e4m3, the values P V multiplies. That takes the FADD of every score off
+  // the consumers (benchmarks/NOTES-fp8.md, session 30); the LSE would carry P's rounding
+  // (errors to ~1e-2), so calls that return it sum in fp32 as before.
+  static_assert(!kTensorRowSums || (kFp8 && kHeadDim <= 128), "e4m3, and N = kHeadDim + 8 within 256");
+  constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
+  constexpr unsigned kVAtomBytes = (kHeadDim + kSumColumns) * 128;  // e4m3 V^T: one 128-key swizzle atom
   constexpr unsigned kVBytes = kFp8 ? kVKeyAtoms * kVAtomBytes : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
@@ -399,6 +407,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
     }
     fence_barrier_init();
+  }
+  if constexpr (kTensorRowSums) {  // the ones (e4m3 1.0 = 0x38) of every V^T atom, for the async proxy
+    constexpr unsigned kWords = kSumColumns * 128 / 4, kAtoms = kStages * kVKeyAtoms;
+    for (unsigned i = threadIdx.x; i < kAtoms * kWords; i += blockDim.x) {
+      const unsigned atom = i / kWords;
+      st_shared_b32(sV + (atom / kVKeyAtoms) * kVBytes + (atom % kVKeyAtoms) * kVAtomBytes + kHeadDim * 128 +
+                        4 * (i % kWords),
+                    0x38383838u);
+    }
+    fence_proxy_async_shared();
   }
   __syncthreads();
 
@@ -541,7 +559,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           load(sK + slot * kKBytes, &p.k_map, k_full(slot), h_kv, t.k_row0 + n * kBlockN, kBlockN);
           if constexpr (kVPreTransposed) {  // a box of V^T per 128 keys of the block: kHeadDim rows
             mbarrier_wait(v_empty(slot), parity ^ 1);
-            mbarrier_arrive_expect_tx(v_full(slot), kVBytes);
+            mbarrier_arrive_expect_tx(v_full(slot), kVKeyAtoms * kHeadDim * 128);  // (not the ones)
 #pragma unroll
             for (int a = 0; a < kVKeyAtoms; ++a) {
               tma_load_4d(sV + slot * kVBytes + a * kVAtomBytes, &p.v_map, v_full(slot), n * kBlockN + a * 128, 0,
@@ -680,9 +698,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       continue;
     }
     if (t.kb.n_max <= t.kb.n_min && kOStage != kOStageInQ) mbarrier_arrive_warp(q_empty(q_buffer()));  // nothing was loaded
-    float o[kOAcc];
+    float o[kOAcc + kSumColumns / 2];  // (kTensorRowSums: then this thread's two rows' sums, twice each)
 #pragma unroll
-    for (int i = 0; i < kOAcc; ++i) o[i] = 0.f;
+    for (int i = 0; i < kOAcc + kSumColumns / 2; ++i) o[i] = 0.f;
     float row_max[2] = {-infinity(), -infinity()};  // log2 domain (online_softmax_row)
     float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
     // e4m3: q's descale of this thread's two rows, and v's of the block O is in units of.
@@ -753,7 +771,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             // (32-byte k steps within a 128-key atom of V^T, then the next atom)
             constexpr int kAtomSteps = 128 / 32;
             const unsigned step = (kk / kAtomSteps) * (kVAtomBytes >> 4) + (kk % kAtomSteps) * (32 >> 4);
-            Wgmma<T, kHeadDim>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
+            Wgmma<T, kHeadDim + kSumColumns>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
           } else {
             Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }
@@ -841,6 +859,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         s_done(it() % kStages, n_top - 1);
         float correction[2];
         softmax(n_top - 1, k_descale_top, correction, half_top);
+        // kTensorRowSums: the factor of the sum columns, the softmax's correction alone (O's also
+        // moves it to the block's v descale).
+        float sum_correction[2] = {correction[0], correction[1]};
         // The end of P V(n + 1): wait for it and release its V slot (v_slot < 0: none); then
         // (rescale_and_pack) rescale O (when `rescale_o`) and pack block n's P. Both at the bottom of
         // iteration n, or (kOverlapPV) at the top of iteration n - 1 (see the top of this file);
@@ -853,7 +874,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         auto rescale_and_pack = [&](bool rescale_o) {
           if (rescale_o) {
 #pragma unroll
-            for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+            for (int j = 0; j < kOAcc + kSumColumns / 2; ++j) {
+              o[j] *= (j < kOAcc ? correction : sum_correction)[(j >> 1) & 1];
+            }
           }
           pack_p();
           pin_registers(o);  // written before the next wgmma's fence, not sunk past it
@@ -907,6 +930,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           pin_registers(s);
           s_done(slot, n);
           softmax(n, k_descale, correction);
+          sum_correction[0] = correction[0];
+          sum_correction[1] = correction[1];
           if constexpr (kFp8) {  // O moves to the units of block n's v descale
             // Exactly 1 when the descale does not change (per-head descales: every block), so that
             // the rounding of a division does not compound over the blocks.
@@ -953,6 +978,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     TOut* o_base =
         static_cast<TOut*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
     float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
+    // e4m3 calls without the LSE pass none (and kTensorRowSums' sums would not make it).
+    const bool write_lse = !kTensorRowSums && (!kFp8 || p.lse != nullptr);
     // kOStageInV: the V slot of the tile's last block, once every consumer's P V has read it.
     const bool in_v = kOStage == kOStageInV && te.kb.n_max > te.kb.n_min;
     const bool zero_tile = kOStage == kOStageInV && !in_v;  // its O is zero, and that slot another tile's
@@ -962,14 +989,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     unsigned packed[2][kHeadDim / 8];  // this thread's rows e_row and e_row + 8, columns 8 nt + 2 (e_lane % 4)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const float total = quad_sum(row_sum[hf]);
+      const float total = kTensorRowSums ? o[kOAcc + 2 * hf] : quad_sum(row_sum[hf]);
       const float inv = total > 0.f ? o_descale / total : 0.f;
 #pragma unroll
       for (int nt = 0; nt < kHeadDim / 8; ++nt) {
         packed[hf][nt] = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
       }
       const int row = te.m0 + e_wg * 64 + static_cast<int>(e_row) + 8 * hf;
-      if (e_lane % 4 == 0 && te.has_row(row)) {
+      if (write_lse && e_lane % 4 == 0 && te.has_row(row)) {
         lse_base[row] = row_lse<kExpOffset>(row_max[hf], total);
       }
     }

@@ -139,16 +139,18 @@ def _attention_bwd(features, deterministic, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention_quantized(q, k, v, features, hadamard):
-    return api.attention(q, k, v, return_lse=True, fp8=True, hadamard=hadamard, **api._feature_keywords(features))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention_quantized(q, k, v, features, hadamard, return_lse):
+    """out, or (out, lse): without the LSE the FP8 kernel may sum P's rows on the tensor cores."""
+    return api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard,
+                         **api._feature_keywords(features))
 
 
-def _attention_quantized_fwd(q, k, v, features, hadamard):
-    return _attention_quantized(q, k, v, features, hadamard), None
+def _attention_quantized_fwd(q, k, v, features, hadamard, return_lse):
+    return _attention_quantized(q, k, v, features, hadamard, return_lse), None
 
 
-def _attention_quantized_bwd(features, hadamard, residuals, cotangents):
+def _attention_quantized_bwd(features, hadamard, return_lse, residuals, cotangents):
     raise ValueError("attention(..., fp8=True) is forward only (no gradient through e4m3 quantization): "
                      "differentiate the 16-bit attention, or wrap the FP8 call in jax.lax.stop_gradient")
 
@@ -168,8 +170,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
     features = api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
-    out, lse = _attention_quantized(q, k, v, features, hadamard) if fp8 else _attention(q, k, v, features,
-                                                                                         deterministic)
+    if fp8 and not return_lse:
+        return _attention_quantized(q, k, v, features, hadamard, False)
+    out, lse = (_attention_quantized(q, k, v, features, hadamard, True) if fp8
+                else _attention(q, k, v, features, deterministic))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 

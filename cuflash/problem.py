@@ -50,6 +50,7 @@ class Problem:
     out_dtype: str | None = None  # attention_fp8_forward: out's dtype (its inputs are float8_e4m3fn)
     fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
     hadamard_seed: int | None = None  # quantize_fp8: the transform's seed (None: no transform)
+    with_lse: bool = True  # attention_fp8_forward: lse is an output (without it, P's row sums may be P's as rounded)
 
     def __post_init__(self):
         assert self.op in OPS, self.op

@@ -132,33 +132,45 @@ def _(x, block, hadamard, seed):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(descale, dtype=torch.float32)
 
 
+# The FP8 ops return (out, lse), lse empty (0 elements) without return_lse: the kernel may then sum
+# P's rows on the tensor cores and write no LSE (cuflash.kernels.fwd_sm90, FP8_TENSOR_ROW_SUMS).
+def _lse_or_empty(result, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return result if return_lse else (result, result.new_empty(0, dtype=torch.float32))
+
+
+def _fake_lse(x: torch.Tensor, return_lse: bool) -> torch.Tensor:
+    batch, seqlen_q, nheads, _ = x.shape
+    return x.new_empty((batch, nheads, seqlen_q) if return_lse else 0, dtype=torch.float32)
+
+
 @torch.library.custom_op("cuflash::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
                        k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int,
-                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
-                             window=(window_left, window_right), out_dtype=out_dtype, return_lse=True)
+                       window_left: int, window_right: int, out_dtype: torch.dtype,
+                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lse_or_empty(api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal,
+                                           softmax_scale=softmax_scale, window=(window_left, window_right),
+                                           out_dtype=out_dtype, return_lse=return_lse), return_lse)
 
 
 @_attention_fp8_fwd.register_fake
-def _(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, out_dtype):
-    batch, seqlen_q, nheads, _ = q8.shape
-    return q8.new_empty(q8.shape, dtype=out_dtype), q8.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+def _(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, out_dtype,
+      return_lse):
+    return q8.new_empty(q8.shape, dtype=out_dtype), _fake_lse(q8, return_lse)
 
 
 @torch.library.custom_op("cuflash::attention_quantized_fwd", mutates_args=())
 def _attention_quantized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                             window_left: int, window_right: int, softcap: float,
-                             hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             window_left: int, window_right: int, softcap: float, hadamard: bool,
+                             return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
-    return api.attention(q, k, v, return_lse=True, fp8=True, hadamard=hadamard, **api._feature_keywords(features))
+    return _lse_or_empty(api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard,
+                                       **api._feature_keywords(features)), return_lse)
 
 
 @_attention_quantized_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, hadamard):
-    batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, hadamard, return_lse):
+    return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
 def _forward_only(what: str, *tensors) -> None:
@@ -192,7 +204,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
     if fp8:
         _forward_only("attention(..., fp8=True)", q, k, v)
-        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard)
+        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard, return_lse)
     else:
         out, lse = _attention_fwd(q, k, v, *features, deterministic)
     return (out, lse) if return_lse else out
@@ -220,7 +232,7 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     name = str(out_dtype).removeprefix("torch.") if isinstance(out_dtype, torch.dtype) else out_dtype
     out_dtype = getattr(torch, api._dtype_arg("out_dtype", name, api.FP8_OUT_DTYPES))
     out, lse = _attention_fp8_fwd(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
-                                  window_right, out_dtype)
+                                  window_right, out_dtype, return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -52,14 +52,16 @@ def _poisoned(shape, dtype: str) -> torch.Tensor:
 
 def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype):
     """dispatch.execute a forward Problem on torch's current stream into out (out_dtype) and lse
-    (float32) filled with NaN beforehand, so an element the kernel never wrote shows up; the
-    kernels' workspace (cuflash.kernels.workspace) is poisoned too, so a kernel that reads a byte
-    nobody wrote carries a NaN into out."""
+    (float32; lse_shape None: no lse output, as FP8 calls without the LSE run) filled with NaN
+    beforehand, so an element the kernel never wrote shows up; the kernels' workspace
+    (cuflash.kernels.workspace) is poisoned too, so a kernel that reads a byte nobody wrote carries
+    a NaN into out."""
     from cuflash import dispatch, kernels
 
     out = torch.full(out_shape, float("nan"), device="cuda", dtype=out_dtype)
-    lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
+    lse = None if lse_shape is None else torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
     workspace = {name: _poisoned(shape, dtype) for name, (shape, dtype) in kernels.workspace(problem).items()}
-    dispatch.execute(problem, inputs, dict(out=out, lse=lse, **workspace), torch.cuda.current_stream().cuda_stream)
+    outputs = dict(out=out, **({} if lse is None else dict(lse=lse)), **workspace)
+    dispatch.execute(problem, inputs, outputs, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return out, lse

@@ -120,10 +120,11 @@ def test_torch_fp8_ops_fake_implementations_agree_with_the_real_ones():
     for block, hadamard in ((None, False), (128, True)):
         torch.library.opcheck(ops.quantize_fp8.default, (q, block, hadamard, 3))
     (q8, qd), (k8, kd) = ct.quantize_fp8(q, block=128), ct.quantize_fp8(k)
-    torch.library.opcheck(ops.attention_fp8_fwd.default,
-                          (q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
-    torch.library.opcheck(ops.attention_quantized_fwd.default, (q, k, k, True, 0.125, 5, -1, 0.0, True))
+    for return_lse in (True, False):  # without it, an empty lse
+        torch.library.opcheck(ops.attention_fp8_fwd.default,
+                              (q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16, return_lse),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+        torch.library.opcheck(ops.attention_quantized_fwd.default, (q, k, k, True, 0.125, 5, -1, 0.0, True, return_lse))
 
 
 def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_name():

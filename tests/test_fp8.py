@@ -181,6 +181,8 @@ def test_fp8_attention_on_random_shapes(data):
     assert np.isfinite(out).all() and np.array_equal(np.isfinite(lse), np.isfinite(exact_lse))
     assert np.array_equal(out, dequantized.astype(ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.float16))
     assert _rmse(out, exact) <= 0.15 * max(math.sqrt(np.mean(exact**2)), 2.0**-8)
+    out_only = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, out_dtype=out_dtype, **mask)  # (no LSE asked for)
+    assert np.array_equal(np.asarray(out_only, np.float64), out)
 
 
 def _rmse(x, y):
@@ -467,6 +469,20 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     per_block = DeviceArray(ptr=1 << 20, shape=(2, 2, 8), strides=(16, 8, 1))
     for name in ("k_descale", "v_descale"):
         assert fwd_sm90.select_fp8(long_128, {**inputs(long_128), name: per_block}).block_n == 128
+    # Calls without the LSE sum P's rows on the tensor cores at head dim 64 (FP8_TENSOR_ROW_SUMS), on
+    # its 128-key row (the 160-key one would spill); no call without it needs an lse (the kernel
+    # writes none where its address is null).
+    assert not fwd_sm90.select_fp8(long_64, inputs(long_64)).tensor_row_sums
+    no_lse = dataclasses.replace(long_64, with_lse=False)
+    chosen = fwd_sm90.select_fp8(no_lse, inputs(no_lse))
+    assert chosen.tensor_row_sums and chosen.block_n == 128 and "lse" not in kernels.workspace(no_lse)
+    assert chosen.dynamic_shared_bytes > dataclasses.replace(chosen, tensor_row_sums=False).dynamic_shared_bytes
+    for other in (problem, long_128):
+        no_lse = dataclasses.replace(other, with_lse=False)
+        assert not fwd_sm90.select_fp8(no_lse, inputs(no_lse)).tensor_row_sums
+        assert "lse" not in kernels.workspace(no_lse)
+        with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
+            dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
     saved, fwd_sm90.fp8_tiles_override = fwd_sm90.fp8_tiles_override, {128: (2, 192, 2, "tile", "overlap", True)}
     try:
         with pytest.raises(ValueError, match="blocks of 192 keys need k_descale and v_descale per head"):

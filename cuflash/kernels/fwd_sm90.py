@@ -26,9 +26,11 @@ FP8_HEADDIMS = (64, 128, 256)  # e4m3 rows of 128-byte swizzle atoms (64: half o
 CXX_ELEMENT_TYPES = {**CXX_TYPES, FP8: "cuflash::e4m3_t"}
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
-# these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim.
+# these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim (e4m3 with the row sums
+# on the tensor cores: + FP8_SUM_COLUMNS).
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (64, 128, 160, 192, 256)
+FP8_WGMMA_N = (64, 72, 128, 160, 192, 256)
+FP8_SUM_COLUMNS = 8
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
 # schedule)):
@@ -132,6 +134,13 @@ FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
 # (benchmarks/NOTES-fp8.md). (224 keys at 128, FA3's block there, fit but measured within the
 # noise of 192: session 26.)
 FP8_PER_HEAD_TILES = {64: (3, 160, 2, "pingpong", "overlap", True), 128: (2, 192, 2, "free", "overlap", True)}
+# Calls that do not return the LSE sum P's rows on the tensor cores at these head dims (the
+# kernel's kTensorRowSums: P V with FP8_SUM_COLUMNS more columns, of ones; no FADD a score), on the
+# FP8_TILES rows: the FP8_PER_HEAD_TILES row's three consumers at 64 spill with four more
+# accumulators. Measured on H100 against the fp32 sums (session 30, three leases, two alternations
+# each; benchmarks/NOTES-fp8.md): head dim 64 +2-12% at 1k, +1.5-6% at 4k, +0.6-6% at 8k-16k (there
+# on the 128-key row against the 160-key one). At 128 -3 to +4% (not taken); at 256, N would pass 256.
+FP8_TENSOR_ROW_SUMS = (64,)
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -158,14 +167,16 @@ O_STAGE_CXX = {"own": "cuflash::kOStageOwn", "in_q": "cuflash::kOStageInQ", "dir
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int, o_stage: str,
-               v_pretransposed: bool, q_buffers: int = 1) -> int:
+               v_pretransposed: bool, q_buffers: int = 1, tensor_row_sums: bool = False) -> int:
     fp8 = dtype == FP8
     transpose = fp8 and not v_pretransposed  # V is staged and transposed in shared memory
     barriers = 8 * (2 * q_buffers + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
     row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
     # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys in whole 128-key swizzle
-    # atoms, a byte a key) and the staged V (e4m3 transposed in the kernel).
-    v_transposed = headdim * math.ceil(block_n / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES
+    # atoms, a byte a key, and with the row sums FP8_SUM_COLUMNS rows of ones) and the staged V
+    # (e4m3 transposed in the kernel).
+    v_rows = headdim + (FP8_SUM_COLUMNS if tensor_row_sums else 0)
+    v_transposed = v_rows * math.ceil(block_n / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES
     per_stage = block_n * row + (v_transposed + (block_n * row if transpose else 0) if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
@@ -216,6 +227,7 @@ class FwdSm90Variant(Variant):
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
     masked: bool  # compiled for a causal or window mask (_mask_fields)
     v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
+    tensor_row_sums: bool = False  # e4m3 without the LSE: P V sums P's rows too (FP8_TENSOR_ROW_SUMS)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -231,6 +243,8 @@ class FwdSm90Variant(Variant):
                     or self.varlen or self.softcap):
             raise ValueError("fwd_sm90: e4m3 takes block_n=128 (or 160 or 192 with v_pretransposed), dense inputs "
                              "and no softcap")
+        if self.tensor_row_sums and (not fp8 or self.headdim not in FP8_TENSOR_ROW_SUMS):
+            raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
@@ -256,7 +270,7 @@ class FwdSm90Variant(Variant):
 
     def _smem_bytes(self, o_stage: str, q_buffers: int = 1) -> int:
         return smem_bytes(self.dtype, self.headdim, self.block_m, self.block_n, self.stages, o_stage,
-                          self.v_pretransposed, q_buffers)
+                          self.v_pretransposed, q_buffers, self.tensor_row_sums)
 
     @cached_property  # read at every launch
     def o_stage(self) -> str:
@@ -293,7 +307,7 @@ class FwdSm90Variant(Variant):
                 str(self.block_n), str(self.stages), SYNC_CXX[self.sync], SCHEDULE_CXX[self.schedule],
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
-                cxx_bool(self.v_pretransposed), str(self.q_buffers))
+                cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers))
 
 
 @dataclass(frozen=True)
@@ -363,9 +377,10 @@ def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
 
 
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
-    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5])
+    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5], sums)
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
-                      for mask in _mask_choices(FP8_PASS_BY, hd))
+                      for mask in _mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
+                      if not sums or (hd in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(hd)))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
@@ -446,6 +461,12 @@ def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
     return (problem.batch, problem.nheads_kv, problem.headdim, seqlen_pad)
 
 
+def _fp8_tensor_row_sums(problem) -> bool:
+    """Whether the FP8 kernel sums P's rows on the tensor cores for this problem: a call without
+    the LSE at a head dim of FP8_TENSOR_ROW_SUMS."""
+    return not problem.with_lse and compiled_headdim(problem.headdim, FP8_HEADDIMS) in FP8_TENSOR_ROW_SUMS
+
+
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     shape = _v_transposed_shape(problem)
     return {} if shape is None else {"v_transposed": (shape, FP8)}
@@ -460,13 +481,15 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     tiles = _fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
-    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None:
+    sums = _fp8_tensor_row_sums(problem)
+    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None and not sums:
         tiles = FP8_PER_HEAD_TILES[headdim]
+    sums = sums and tiles != FP8_PER_HEAD_TILES.get(headdim)  # (a forced wide row keeps the fp32 sums)
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          "(batch, nheads_kv); per-128-row descales take blocks of 128")
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
-                                *_mask_fields(FP8_PASS_BY, headdim, problem), tiles[5])
+                                *_mask_fields(FP8_PASS_BY, headdim, problem), tiles[5], sums)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
@@ -587,7 +610,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
     group = problem.nheads // problem.nheads_kv
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles,
-                  **token_stride_fields(problem, o=outputs["out"]), **row_stride_fields(problem, lse=outputs["lse"]),
+                  **token_stride_fields(problem, o=outputs["out"]),
+                  **(row_stride_fields(problem, lse=outputs["lse"]) if "lse" in outputs else {}),  # (e4m3: may be none)
                   **mask_and_softmax_fields(problem))
     fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
@@ -609,7 +633,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
             transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
-        PARAMS.write_addresses(params, outputs, ("out", "lse"))
+        PARAMS.write_addresses(params, outputs, ("out", "lse") if "lse" in outputs else ("out",))
         if o_layout:
             PARAMS.write(params, "o_map", tma.encode_tiled(variant.out_dtype, outputs["out"].ptr, *o_layout))
         if problem.varlen:
