@@ -380,7 +380,7 @@ def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]
     attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5], sums)
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
                       for mask in _mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
-                      if not sums or (hd in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(hd)))
+                      if not sums or _tensor_row_sums_fit(hd, tiles))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
@@ -461,10 +461,10 @@ def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
     return (problem.batch, problem.nheads_kv, problem.headdim, seqlen_pad)
 
 
-def _fp8_tensor_row_sums(problem) -> bool:
-    """Whether the FP8 kernel sums P's rows on the tensor cores for this problem: a call without
-    the LSE at a head dim of FP8_TENSOR_ROW_SUMS."""
-    return not problem.with_lse and compiled_headdim(problem.headdim, FP8_HEADDIMS) in FP8_TENSOR_ROW_SUMS
+def _tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
+    """Whether the e4m3 kernel at this compiled head dim and tile row can sum P's rows on the tensor
+    cores (FP8_TENSOR_ROW_SUMS: not on the FP8_PER_HEAD_TILES row)."""
+    return headdim in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(headdim)
 
 
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -481,10 +481,13 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     tiles = _fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
-    sums = _fp8_tensor_row_sums(problem)
-    if tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None and not sums:
+    # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
+    # there (a forced wide row keeps the fp32 sums).
+    sums_wanted = not problem.with_lse and headdim in FP8_TENSOR_ROW_SUMS
+    if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None
+            and not sums_wanted):
         tiles = FP8_PER_HEAD_TILES[headdim]
-    sums = sums and tiles != FP8_PER_HEAD_TILES.get(headdim)  # (a forced wide row keeps the fp32 sums)
+    sums = not problem.with_lse and _tensor_row_sums_fit(headdim, tiles)
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          "(batch, nheads_kv); per-128-row descales take blocks of 128")
@@ -625,6 +628,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
         fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
     template = PARAMS.template(**fields)
     block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
+    addressed_outputs = ("out", "lse") if "lse" in outputs else ("out",)  # (e4m3 without the LSE: no lse)
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
@@ -633,7 +637,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
             transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
-        PARAMS.write_addresses(params, outputs, ("out", "lse") if "lse" in outputs else ("out",))
+        PARAMS.write_addresses(params, outputs, addressed_outputs)
         if o_layout:
             PARAMS.write(params, "o_map", tma.encode_tiled(variant.out_dtype, outputs["out"].ptr, *o_layout))
         if problem.varlen:
