@@ -254,4 +254,98 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   }
 }
 
+// A thread's 16 keys of two head-dim columns (v[key][column]) / descale to e4m3, each column as one
+// 16-byte row of V^T at dst + column x row_stride, in the forward's key order: word w holds keys
+// 2w, 2w + 1, 2w + 8, 2w + 9.
+template <bool kFiniteDescale>
+__device__ __forceinline__ void store_transposed_codes(const float (&v)[16][2], float descale, unsigned char* dst,
+                                                       long long row_stride) {
+  const float r = 1.f / descale;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    float q[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) q[k] = divide<kFiniteDescale>(v[k][c], descale, r);
+    *reinterpret_cast<uint4*>(dst + c * row_stride) = make_uint4(
+        pack4_e4m3(q[0], q[1], q[8], q[9]), pack4_e4m3(q[2], q[3], q[10], q[11]),
+        pack4_e4m3(q[4], q[5], q[12], q[13]), pack4_e4m3(q[6], q[7], q[14], q[15]));
+  }
+}
+
+// V (batch, seqlen, nheads, headdim) to e4m3 V^T (batch, nheads, headdim, seqlen_pad) with one
+// descale per block of kBlockRows keys (reference.quantize_fp8 with block FP8_BLOCK, then V^T as
+// transpose_v_fp8.cu writes it: seqlen_pad = x8_stride_s, seqlen rounded up to 16, the keys in
+// between zeros; within each group of 16 keys, position 4c + q holds key 2c + (q & 1) + 8 (q >> 1),
+// the order in which the FP8 forward packs P). attention(..., fp8=True) quantizes V straight into
+// the layout the pre-transposed FP8 forward loads, with no pass over V8 in between. Items as
+// quantize_fp8's (kBlockScales only); x8_stride_b and x8_stride_h are V^T's, x8_stride_s a head-dim
+// row's. A warp takes 32 keys (two groups of 16) by 32 head-dim columns: a thread one group's keys
+// of two neighbouring columns (a 4-byte load a key: the 16 lanes of a group read 64 contiguous
+// bytes of each key) and stores two rows of 16 keys, 16 bytes each, next to its partner's (lane
+// ^ 1, the neighbouring group): whole 32-byte sectors.
+template <typename T, int kHeadDim, bool kVectorLoads>
+__global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_threads(kHeadDim))
+    quantize_fp8_vt(const __grid_constant__ QuantizeFp8Params p) {
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256 && sizeof(T) == 2, "16-bit V, head dim 64 to 256");
+  constexpr int kThreads = quantize_threads(kHeadDim);
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kKeys = 16;                       // a thread's keys: one group
+  constexpr int kColumnWarps = kHeadDim / 32;     // warps across the head dim
+  static_assert(kWarps == kColumnWarps * kBlockRows / 32, "a CTA covers a block of keys by the head dim");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = 32 * (warp % kColumnWarps) + 2 * (lane / 2);
+  const int group = 2 * (warp / kColumnWarps) + lane % 2;  // of the block's kBlockRows / kKeys
+  const int b = blockIdx.y;
+  const int nblocks = p.seqlen / kBlockRows + (p.seqlen % kBlockRows != 0), items = nblocks * p.nheads;
+  const int seqlen_pad = static_cast<int>(p.x8_stride_s);
+  const bool live = col < p.headdim;  // a head dim below kHeadDim is a multiple of 8
+  const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
+  __shared__ float warp_amax[2][kWarps];  // by item parity, as in quantize_fp8
+
+  for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
+    const auto [block, h, key0] = item_at(item, p.nheads, kKeys * group);
+    const T* x = x_batch + h * p.x_stride_h;
+    float v[kKeys][2];
+#pragma unroll
+    for (int k = 0; k < kKeys; ++k) {
+      const int key = key0 + k;
+      if (live && key < p.seqlen) {
+        const T* at = x + key * p.x_stride_s;
+        if constexpr (kVectorLoads) {  // 16-byte aligned rows: col is even, so a word
+          const unsigned word = *reinterpret_cast<const unsigned*>(at);
+          v[k][0] = to_float(T{static_cast<unsigned short>(word & 0xffffu)});
+          v[k][1] = to_float(T{static_cast<unsigned short>(word >> 16)});
+        } else {
+          v[k][0] = to_float(at[0]);
+          v[k][1] = to_float(at[1]);
+        }
+      } else {
+        v[k][0] = v[k][1] = 0.f;  // leaves the amax as it is; a padding key's code is 0
+      }
+    }
+    if (j + 1 < kItemsPerCta && item + 1 < items && lane < 2) {  // a warp's 64 bytes of a key: one line
+      const Item next = item_at(item + 1, p.nheads, kKeys * group);
+#pragma unroll
+      for (int k = 0; k < kKeys; ++k) {
+        const int key = next.row0 + k;
+        if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);
+      }
+    }
+    float amax = 0.f;  // fmaxf skips NaNs, as in quantize_fp8
+#pragma unroll
+    for (int k = 0; k < kKeys; ++k) amax = fmaxf(amax, fmaxf(fabsf(v[k][0]), fabsf(v[k][1])));
+    amax = cta_max<kWarps>(amax, warp_amax[j % 2]);
+    const float descale = descale_of(amax);
+    const long long head = static_cast<long long>(b) * p.nheads + h;
+    if (threadIdx.x == 0) p.descale[head * nblocks + block] = descale;
+    if (!live || key0 >= seqlen_pad) continue;
+    unsigned char* dst = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col * p.x8_stride_s + key0;
+    if (descale < infinity()) {
+      store_transposed_codes<true>(v, descale, dst, p.x8_stride_s);
+    } else {
+      store_transposed_codes<false>(v, descale, dst, p.x8_stride_s);
+    }
+  }
+}
+
 }  // namespace cuflash

@@ -216,11 +216,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     backend=None picks the fastest kernel family that serves the call; "sm90" or "sm80" forces one
     (NotImplementedError saying why, if it can't).
 
-    fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (`quantize_fp8`, one scale per
-    FP8_BLOCK = 128 rows of each head) and runs `attention_fp8`, out in q's dtype; hadamard=True also
-    applies the random Hadamard transform to q and k first (incoherent processing: it cancels in
-    q k^T and spreads outliers). No softcap with fp8. CuPy arrays work here too (CuPy has no e4m3
-    dtype, so quantize_fp8 and attention_fp8 refuse them): the e4m3 copies are cuflash's own.
+    fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (as `quantize_fp8` with one
+    scale per FP8_BLOCK = 128 rows of each head) and runs FP8 attention (as `attention_fp8`), out in
+    q's dtype (reference.attention_quantized); hadamard=True also applies the random Hadamard
+    transform to q and k first (incoherent processing: it cancels in q k^T and spreads outliers). No
+    softcap with fp8. On Hopper it is one call of the fwd_quantized_sm90 family, whose e4m3 copies
+    are a workspace of its own (V's straight in the transposed layout the FP8 kernel loads), so
+    CuPy arrays work here too (CuPy has no e4m3 dtype: quantize_fp8 and attention_fp8 refuse them).
     """
     fp8, hadamard = _fp8_flags(fp8, hadamard)
     if fp8:
@@ -451,33 +453,11 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
     signs drawn from `seed` (headdim a power of two): give q and k the same seed, and never
     transform v (reference.hadamard_matrix).
     """
-    return _quantize_fp8(x, block, hadamard, seed, cupy_bits=False)
-
-
-def _quantize_options(block: Any, hadamard: Any, seed: Any) -> tuple[int | None, bool, int]:
-    """quantize_fp8's block, hadamard and seed, checked: (block, hadamard, seed) as plain Python values."""
-    expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
-                f"scales per {FP8_BLOCK} rows)")
-    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
-        raise TypeError(f"block must be {expected}; got {block!r}")
-    if block is not None and block != FP8_BLOCK:
-        raise ValueError(f"block must be {expected}; got {block!r}")
-    transform = _check_flag("hadamard", hadamard)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int >= 0; got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-    return None if block is None else FP8_BLOCK, bool(transform), int(seed)
-
-
-def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
-    """quantize_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes CuPy x, whose x8
-    holds e4m3 bits in a uint8 array (arrays.CUPY_E4M3_BITS) that never reaches the caller."""
     named = dict(x=x)
 
     def check():
         info = _describe_all(named)["x"]
-        if info.framework == "cupy" and not cupy_bits:
+        if info.framework == "cupy":
             raise TypeError("x is a CuPy array, and CuPy has no float8_e4m3fn dtype for x8: pass a torch tensor or a "
                             "JAX array (zero-copy from CuPy: torch.from_dlpack(x)), or let attention(q, k, v, "
                             "fp8=True) quantize CuPy arrays into buffers of its own")
@@ -495,8 +475,23 @@ def _quantize_fp8(x, block, hadamard, seed, cupy_bits: bool):
         descale_shape = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
         return problem, dict(x8=(info.shape, FP8_DTYPE), descale=(descale_shape, "float32"))
 
-    return dispatch.run_checked(dispatch.call_signature("quantize_fp8", named, (block, hadamard, seed, cupy_bits)),
-                                named, check)
+    return dispatch.run_checked(dispatch.call_signature("quantize_fp8", named, (block, hadamard, seed)), named, check)
+
+
+def _quantize_options(block: Any, hadamard: Any, seed: Any) -> tuple[int | None, bool, int]:
+    """quantize_fp8's block, hadamard and seed, checked: (block, hadamard, seed) as plain Python values."""
+    expected = (f"None (one scale per head) or {FP8_BLOCK} (one scale per {FP8_BLOCK} rows: attention_fp8 takes "
+                f"scales per {FP8_BLOCK} rows)")
+    if block is not None and (not isinstance(block, (int, np.integer)) or isinstance(block, bool)):
+        raise TypeError(f"block must be {expected}; got {block!r}")
+    if block is not None and block != FP8_BLOCK:
+        raise ValueError(f"block must be {expected}; got {block!r}")
+    transform = _check_flag("hadamard", hadamard)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int >= 0; got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+    return None if block is None else FP8_BLOCK, bool(transform), int(seed)
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
@@ -517,14 +512,6 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     to e4m3 (the weights P V multiplies, summed on the tensor cores): out's error is that of the
     fp32 sums, and the call runs 1-12% faster.
     """
-    return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype,
-                          return_lse, backend, cupy_bits=False)
-
-
-def _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, out_dtype, return_lse,
-                   backend, cupy_bits: bool):
-    """attention_fp8; cupy_bits=True (attention(..., fp8=True) only) also takes the CuPy uint8
-    arrays of e4m3 bits that _quantize_fp8 makes for it."""
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     features = (causal, softmax_scale, window, 0.0)
@@ -533,9 +520,7 @@ def _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, 
         dtype = _dtype_arg("out_dtype", out_dtype, FP8_OUT_DTYPES)
         infos = _describe_all(named)
         for name in ("q8", "k8", "v8"):
-            if cupy_bits and infos[name].framework == "cupy" and infos[name].dtype == arrays.CUPY_E4M3_BITS:
-                infos[name] = dataclasses.replace(infos[name], dtype=FP8_DTYPE)
-            elif infos[name].dtype != FP8_DTYPE:
+            if infos[name].dtype != FP8_DTYPE:
                 hint = ("; CuPy has no e4m3 dtype: attention(q, k, v, fp8=True) quantizes CuPy arrays into buffers "
                         "of its own" if infos[name].framework == "cupy" else "")
                 raise TypeError(f"{name} must be {FP8_DTYPE} (cuflash.quantize_fp8 makes it); got {infos[name].dtype}"
@@ -555,14 +540,16 @@ def _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, 
 
     inputs = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     signature = dispatch.call_signature("attention_fp8_forward", named,
-                                        (*features, out_dtype, backend, cupy_bits, return_lse))
+                                        (*features, out_dtype, backend, return_lse))
     results = dispatch.run_checked(signature, inputs, check)
     return tuple(results) if return_lse else results[0]
 
 
 def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard):
-    """attention(..., fp8=True): quantize_fp8 then attention_fp8, out in q's dtype. Every argument is
-    checked before anything is quantized (once per call signature: dispatch.remembered)."""
+    """attention(..., fp8=True): one op (attention_quantized_forward: q, k and v quantized per
+    FP8_BLOCK rows, q and k after the transform where asked, then FP8 attention; the e4m3 copies are
+    the launch's own workspace), out in q's dtype."""
+    return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v)
 
     def check():
@@ -572,23 +559,19 @@ def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return
             raise TypeError(f"fp8=True quantizes float16 or bfloat16 q, k and v; q has dtype {dtype}")
         if _finite_float("softcap", softcap, "0 with fp8=True") != 0:
             raise ValueError(f"softcap is not supported with fp8=True; got softcap={softcap}")
-        problem = _attention_problem("attention_forward", infos, (causal, softmax_scale, window, softcap))
+        problem = _attention_problem("attention_quantized_forward", infos, (causal, softmax_scale, window, softcap),
+                                     backend)
         if hadamard:
             _check_hadamard_headdim("q", problem.headdim)
-        fp8_backend = _check_backend(backend, "attention_fp8_forward", problem.device)
-        why = dispatch.unavailable("attention_fp8_forward", problem.device, fp8_backend) if problem.device.is_cuda else None
-        if why:
-            raise NotImplementedError(f"cuflash cannot run FP8 attention (attention_fp8_forward) on GPU "
-                                      f"{problem.device}, {why}: fp8=True quantizes nothing there")
-        return dtype, fp8_backend
+        # Without the LSE the kernel may normalise by the sums of P as rounded to e4m3 (as attention_fp8).
+        problem = dataclasses.replace(problem, out_dtype=dtype, with_lse=return_lse, fp8_block=FP8_BLOCK,
+                                      hadamard_seed=_FP8_SEED if hadamard else None)
+        outputs = dict(out=(infos["q"].shape, dtype))
+        if return_lse:
+            outputs["lse"] = ((problem.batch, problem.nheads, problem.seqlen_q), "float32")
+        return problem, outputs
 
-    signature = dispatch.call_signature("attention_quantized", named, (causal, softmax_scale, window, softcap, backend,
-                                                                        hadamard))
-    dtype, fp8_backend = dispatch.remembered(signature, check)
-    return_lse = _check_flag("return_lse", return_lse)
-    # (CuPy q, k and v: their e4m3 copies are cuflash's own, bits in uint8 arrays: cupy_bits)
-    q8, q_descale = _quantize_fp8(q, FP8_BLOCK, hadamard, _FP8_SEED, cupy_bits=True)
-    k8, k_descale = _quantize_fp8(k, FP8_BLOCK, hadamard, _FP8_SEED, cupy_bits=True)
-    v8, v_descale = _quantize_fp8(v, FP8_BLOCK, False, 0, cupy_bits=True)
-    return _attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal, window, softmax_scale, dtype,
-                          return_lse, fp8_backend, cupy_bits=True)
+    signature = dispatch.call_signature("attention_quantized_forward", named,
+                                        (causal, softmax_scale, window, softcap, backend, hadamard, return_lse))
+    results = dispatch.run_checked(signature, named, check)
+    return tuple(results) if return_lse else results[0]

@@ -16,7 +16,9 @@ same fp16/bf16 inputs:
   CuPy has no e4m3 dtype) against the reference on the dequantized inputs: max abs error at most 2x
   that of a plain FP8 attention (P = exp(s - rowmax) * 2^8 rounded to e4m3 before P V, as any e4m3
   P V must) plus 1e-4; lse within 1e-3 plus 2^-11 of the row's largest scaled |q||k| dot product
-  (Hopper adds e4m3 products with fewer mantissa bits than fp32).
+  (Hopper adds e4m3 products with fewer mantissa bits than fp32). attention(fp8=True) (its own op,
+  quantizing inside) the same, against the reference on the inputs as quantize_fp8 quantizes them
+  (its codes and descales, which the op's own quantization reproduces bit for bit).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from . import api, kernels, reference
 from .arrays import numpy_dtype
 
 HEADDIMS = tuple(range(8, 257, 8))
+_E4M3_OPS = ("attention_fp8_forward", "attention_quantized_forward", "quantize_fp8")  # checked through torch
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Case:
     varlen: tuple[int, ...] = ()  # sequence lengths (queries and keys alike) of a packed case
 
     def describe(self) -> str:
-        dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype] + (" -> e4m3" if "fp8" in self.op else "")
+        dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype] + (" -> e4m3" if self.op in _E4M3_OPS else "")
         shape = (f"seqlens {list(self.varlen)}" if self.varlen else
                  f"b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k}")
         feats = " ".join([f"{k}={v}" for k, v in self.features.items()] + ["deterministic"] * self.deterministic)
@@ -78,7 +81,7 @@ def draw_cases(rng: np.random.Generator, compute_capability, per_op: int = 3) ->
 
 def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     # FP8 attention: dtype is that of the inputs before quantization (and of out).
-    fp8 = op == "attention_fp8_forward"
+    fp8 = op in ("attention_fp8_forward", "attention_quantized_forward")
     dtype = str(rng.choice(sorted(api.FP8_OUT_DTYPES if fp8 else family.dtypes)))
     # Half the draws take a head dim the family compiles (the common case), half any multiple of 8
     # (of 16 for e4m3: 16-byte rows).
@@ -95,8 +98,10 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
             features["causal"] = True
         elif rng.random() < 0.3:
             features["window"] = (int(rng.integers(0, 200)), int(rng.integers(0, 200)))
-        if fp8:
+        if op == "attention_fp8_forward":
             features["block"] = (None, reference.FP8_BLOCK)[int(rng.integers(2))]
+        elif fp8:
+            features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
         elif rng.random() < 0.25:
             features["softcap"] = float(rng.choice((5.0, 30.0)))
     if varlen:
@@ -162,7 +167,7 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
         return Outcome(case, err <= bound, f"delta err {err:.1e} <= {bound:.1e}")
     if case.op == "quantize_fp8":
         return _run_quantize(case, host, on_gpu)
-    if case.op == "attention_fp8_forward":
+    if case.op in ("attention_fp8_forward", "attention_quantized_forward"):
         return _run_attention_fp8(case, host, on_gpu, backend)
     if case.varlen:
         total = sum(case.varlen)
@@ -211,7 +216,7 @@ def run_case(case: Case, rng: np.random.Generator, on_gpu: bool = True) -> Outco
 def runnable(case: Case) -> str | None:
     """Why this machine cannot run `case`, or None: quantize_fp8's e4m3 outputs need torch or JAX
     arrays (CuPy has no e4m3 dtype), and the check uses torch."""
-    if case.op in ("quantize_fp8", "attention_fp8_forward"):
+    if case.op in _E4M3_OPS:
         try:
             import torch
         except ImportError:
@@ -234,13 +239,22 @@ def _torch_io(case: Case, on_gpu: bool):
 
 
 def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
+    """attention_fp8 on quantize_fp8's outputs, or attention(fp8=True) (attention_quantized_forward),
+    whose quantization is quantize_fp8's per 128 rows (seed 0 for the transform)."""
     put, get = _torch_io(case, on_gpu)
     shapes = ((case.batch, case.seqlen_q, case.nheads), (case.batch, case.seqlen_k, case.nheads_kv))
     q, k, v = host(*shapes[0], case.headdim), host(*shapes[1], case.headdim), host(*shapes[1], case.headdim)
-    features = {n: x for n, x in case.features.items() if n != "block"}
-    quantized = [api.quantize_fp8(put(x), block=case.features["block"]) for x in (q, k, v)]
-    out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,
-                                 return_lse=True, backend=backend, **features)
+    features = {n: x for n, x in case.features.items() if n not in ("block", "hadamard")}
+    if case.op == "attention_quantized_forward":
+        hadamard = case.features["hadamard"]
+        out, lse = api.attention(put(q), put(k), put(v), fp8=True, hadamard=hadamard, return_lse=True,
+                                 backend=backend, **features)
+        quantized = [api.quantize_fp8(put(x), block=reference.FP8_BLOCK, hadamard=h, seed=api._FP8_SEED)
+                     for x, h in ((q, hadamard), (k, hadamard), (v, False))]
+    else:
+        quantized = [api.quantize_fp8(put(x), block=case.features["block"]) for x in (q, k, v)]
+        out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,
+                                     return_lse=True, backend=backend, **features)
     q, k, v = (reference.dequantize_fp8(get(x8), get(d)) for x8, d in quantized)
     want_out, want_lse = reference.forward(q, k, v, **features)
     plain = _round(reference.forward_p_e4m3(q, k, v, **features), case.dtype)

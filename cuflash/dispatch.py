@@ -253,6 +253,13 @@ def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
         outs["out"][...] = out
         if problem.with_lse:
             outs["lse"][...] = lse
+    elif op == "attention_quantized_forward":
+        out, lse = reference.attention_quantized(ins["q"], ins["k"], ins["v"], problem.hadamard_seed,
+                                                 causal=f["causal"], window=f["window"],
+                                                 softmax_scale=f["softmax_scale"])
+        outs["out"][...] = out
+        if problem.with_lse:
+            outs["lse"][...] = lse
     elif op == "quantize_fp8":
         outs["x8"][...], outs["descale"][...] = reference.quantize_fp8(ins["x"], problem.fp8_block,
                                                                      problem.hadamard_seed)

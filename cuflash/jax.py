@@ -26,7 +26,7 @@ from .problem import Problem
 
 # Ops whose arrays all lead with the batch dimension: vmapped axes fold into it.
 _BATCH_LEADING_OPS = frozenset({"attention_forward", "attention_backward", "backward_preprocess",
-                                "attention_fp8_forward", "quantize_fp8"})
+                                "attention_fp8_forward", "attention_quantized_forward", "quantize_fp8"})
 _BASE_RANK = 4  # of q (and dout, the first input of the backward ops): (batch, seqlen, heads, dim)
 
 

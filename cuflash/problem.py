@@ -14,6 +14,7 @@ OPS = (
     "attention_varlen_backward",
     "backward_preprocess",
     "attention_fp8_forward",
+    "attention_quantized_forward",
     "quantize_fp8",
 )
 
@@ -47,10 +48,10 @@ class Problem:
     total_k: int = 0
     backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
     deterministic: bool = False  # backward ops: bit-identical gradients from run to run
-    out_dtype: str | None = None  # attention_fp8_forward: out's dtype (its inputs are float8_e4m3fn)
+    out_dtype: str | None = None  # attention_fp8/quantized_forward: out's dtype (fp8: the inputs are float8_e4m3fn)
     fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
-    hadamard_seed: int | None = None  # quantize_fp8: the transform's seed (None: no transform)
-    with_lse: bool = True  # attention_fp8_forward: lse is an output (without it, P's row sums may be P's as rounded)
+    hadamard_seed: int | None = None  # quantize_fp8, attention_quantized_forward (q and k): the transform's seed
+    with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as rounded)
 
     def __post_init__(self):
         assert self.op in OPS, self.op

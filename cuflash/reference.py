@@ -81,6 +81,7 @@ __all__ = [
     "quantize_fp8",
     "dequantize_fp8",
     "attention_fp8",
+    "attention_quantized",
 ]
 
 
@@ -620,3 +621,13 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     """`forward` on the dequantized inputs, in float64: (out, lse)."""
     return forward(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale), dequantize_fp8(v8, v_descale),
                    causal=causal, softmax_scale=softmax_scale, window=window)
+
+
+def attention_quantized(q, k, v, hadamard_seed: int | None = None, *, causal=False, softmax_scale=None,
+                        window=(-1, -1)):
+    """attention(q, k, v, fp8=True): q, k and v quantized with one scale per FP8_BLOCK rows (q and k
+    after the Hadamard transform of `hadamard_seed`, None for none: it cancels in q k^T), then
+    `attention_fp8`: (out, lse) in float64."""
+    quantized = [quantize_fp8(x, FP8_BLOCK, seed) for x, seed in ((q, hadamard_seed), (k, hadamard_seed), (v, None))]
+    return attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), causal=causal,
+                         softmax_scale=softmax_scale, window=window)

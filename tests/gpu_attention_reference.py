@@ -50,17 +50,19 @@ def _poisoned(shape, dtype: str) -> torch.Tensor:
     return torch.full((nbytes,), 0x7F, device="cuda", dtype=torch.uint8).view(dtype).view(shape)
 
 
-def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype):
+def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype, workspace_out=None):
     """dispatch.execute a forward Problem on torch's current stream into out (out_dtype) and lse
     (float32; lse_shape None: no lse output, as FP8 calls without the LSE run) filled with NaN
     beforehand, so an element the kernel never wrote shows up; the kernels' workspace
     (cuflash.kernels.workspace) is poisoned too, so a kernel that reads a byte nobody wrote carries
-    a NaN into out."""
+    a NaN into out. workspace_out (a dict) receives the workspace arrays."""
     from cuflash import dispatch, kernels
 
     out = torch.full(out_shape, float("nan"), device="cuda", dtype=out_dtype)
     lse = None if lse_shape is None else torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
     workspace = {name: _poisoned(shape, dtype) for name, (shape, dtype) in kernels.workspace(problem).items()}
+    if workspace_out is not None:
+        workspace_out.update(workspace)
     outputs = dict(out=out, **({} if lse is None else dict(lse=lse)), **workspace)
     dispatch.execute(problem, inputs, outputs, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()

@@ -101,7 +101,14 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)
             print("fwd_fp8_sm90", shape_q, shape_k, block, causal, "ran; max |out| =", float(out.abs().max()))
-        # attention(fp8=True) on CuPy arrays: its e4m3 copies and V^T workspace held as uint8 bits
-        q, k = randn((1, 600, 2, 256), "float16"), randn((1, 700, 1, 256), "float16")
-        out = cuflash.attention(q, k, k, fp8=True, hadamard=True)
-        print("fwd_fp8_sm90 CuPy fp8=True", q.shape, k.shape, "ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))
+        # attention(fp8=True) (fwd_quantized_sm90: q and k quantized, v straight into V^T, then the
+        # FP8 forward) on CuPy arrays: its e4m3 copies held as uint8 bits; ragged key tails (V^T's
+        # padding keys), GQA, misaligned v rows (element loads), and each head dim
+        for dtype, shape_q, shape_k, hadamard, offset in (("float16", (1, 600, 2, 256), (1, 700, 1, 256), True, 0),
+                                                          ("bfloat16", (2, 300, 4, 128), (2, 333, 2, 128), False, 1),
+                                                          ("float16", (1, 130, 2, 64), (1, 1, 2, 64), True, 0),
+                                                          ("bfloat16", (1, 77, 2, 96), (1, 140, 1, 96), False, 1)):
+            q, k, v = randn(shape_q, dtype), randn(shape_k, dtype), randn(shape_k, dtype, offset)
+            out = cuflash.attention(q, k, v, fp8=True, hadamard=hadamard, causal=True)
+            print("fwd_quantized_sm90 CuPy fp8=True", dtype, q.shape, k.shape, hadamard, offset,
+                  "ran; max |out| =", float(cp.abs(out.astype(cp.float32)).max()))

@@ -116,6 +116,10 @@ def fp8_rows(compiled: int, per_head: bool) -> list:
     return [tiles for tiles in fwd_sm90.fp8_tile_rows(compiled) if per_head or tiles[1] == 128]
 
 
+# Per head dim, the index in fp8_rows(..., per_head=False) of the pre-transposed 128-key row.
+PRETRANSPOSED_ROWS = {hd: next(i for i, row in enumerate(fp8_rows(hd, False)) if row[5]) for hd in fwd_sm90.FP8_HEADDIMS}
+
+
 @contextlib.contextmanager
 def fp8_row(headdim: int, row: int, per_head: bool):
     """Run the FP8 kernel with row `row` (modulo their number) of the rows it may take at this head
@@ -197,6 +201,69 @@ def test_fp8_every_table_row(headdim, row, block, with_lse):
     _check(out, lse, quantized, kw)
 
 
+def _v_transposed(v8):
+    """e4m3 V (batch, seqlen, heads, dim) as the pre-transposed FP8 forward loads it (as uint8 bits):
+    (batch, heads, dim, seqlen padded to 16 with zeros), keys within each group of 16 in the order the
+    kernel packs P (transpose_v_fp8.cu): position 4c + q holds key 2c + (q & 1) + 8 (q >> 1)."""
+    batch, seqlen, heads, dim = v8.shape
+    pad = -seqlen % 16
+    bits = torch.nn.functional.pad(v8.view(torch.uint8), (0, 0, 0, 0, 0, pad))
+    order = torch.tensor([2 * c + (q & 1) + 8 * (q >> 1) for c in range(4) for q in range(4)], device=v8.device)
+    groups = bits.view(batch, (seqlen + pad) // 16, 16, heads, dim)[:, :, order]
+    return groups.reshape(batch, seqlen + pad, heads, dim).permute(0, 2, 3, 1)
+
+
+@hopper_only
+@settings(max_examples=80, deadline=None)
+@given(headdim=st.sampled_from([64, 128, 256, 32, 96, 192]), batch=st.integers(1, 3), seqlen_q=SEQLENS,
+       seqlen_k=SEQLENS, nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kw=features(),
+       hadamard=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       row=st.one_of(st.none(), st.integers(0, 3)), with_lse=st.booleans(), misaligned=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group,
+                                                                  kw, hadamard, dtype, row, with_lse, misaligned, seed):
+    """attention(fp8=True) as one op (fwd_quantized_sm90) on its own row (row None: one of FP8_TILES'
+    rows, pre-transposed) or any of the 128-key rows fwd_fp8_sm90 may take: its workspace
+    holds exactly quantize_fp8's codes and descales (per 128 rows, seed 0), V's as V^T, padding keys
+    zero; its out (and lse) pass _check against them; a second run gives the same bits. Rows of v
+    (and q) 2 bytes off a 16-byte boundary take the element loads."""
+    nheads = nheads_kv * group
+    assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
+    hadamard = hadamard and headdim in (64, 128, 256)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pad = 1 if misaligned else 0
+    q, k, v = (torch.randn(batch, s, h, headdim + pad, device="cuda", generator=g, dtype=dtype)[..., pad:]
+               for s, h in ((seqlen_q, nheads), (seqlen_k, nheads_kv), (seqlen_k, nheads_kv)))
+    k[:, ::7] *= 4
+    v[:, 1::5] *= 3
+    left, right = reference.window_bounds(kw["causal"], kw["window"])
+    scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(headdim)
+    problem = Problem(op="attention_quantized_forward", framework="torch", device=arrays.Device("cuda", 0),
+                      dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                      nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=kw["causal"], window_left=left,
+                      window_right=right, softmax_scale=scale, backend="sm90", out_dtype=str(dtype).removeprefix("torch."),
+                      fp8_block=reference.FP8_BLOCK, hadamard_seed=0 if hadamard else None, with_lse=with_lse)
+    inputs = dict(q=q, k=k, v=v)
+    lse_shape = (batch, nheads, seqlen_q) if with_lse else None
+    workspace = {}
+    with contextlib.nullcontext() if row is None else fp8_row(headdim, row, per_head=False):
+        out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype, workspace)
+        again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype)
+    quantized = (cuflash.quantize_fp8(q, block=128, hadamard=hadamard, seed=0),
+                 cuflash.quantize_fp8(k, block=128, hadamard=hadamard, seed=0), cuflash.quantize_fp8(v, block=128))
+    for name, (x8, descale) in zip("qk", quantized):
+        assert torch.equal(workspace[f"{name}8"].view(torch.uint8), x8.view(torch.uint8)), f"{name}'s codes"
+        assert torch.equal(workspace[f"{name}_descale"], descale), f"{name}'s descales"
+    assert torch.equal(workspace["v_descale"], quantized[2][1]), "v's descales"
+    if "v_transposed" in workspace:
+        assert torch.equal(workspace["v_transposed"].view(torch.uint8), _v_transposed(quantized[2][0])), "V^T"
+    else:
+        assert torch.equal(workspace["v8"].view(torch.uint8), quantized[2][0].view(torch.uint8)), "v's codes"
+    _check(out, lse, quantized, kw)
+    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
+        "results moved between identical runs: a race"
+
+
 @hopper_only
 def test_fp8_true_runs_on_the_gpu_close_to_bf16_attention():
     """attention(..., fp8=True) quantizes and runs the FP8 kernel: out in q's dtype, close to the
@@ -238,8 +305,10 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
         _check(out, lse, quantized, kw)
         (q8, q_descale), (k8, k_descale) = (cuflash.quantize_fp8(x, block=128, hadamard=True) for x in (q, k))
         v8, v_descale = quantized[2]
-        assert torch.equal(cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True),
-                           cuflash.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True))
+        # (the row attention(fp8=True) takes: V^T written by its quantizer)
+        with fp8_row(headdim, PRETRANSPOSED_ROWS[headdim], per_head=False):
+            assert torch.equal(cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True),
+                               cuflash.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True))
 
 
 @hopper_only
@@ -327,5 +396,5 @@ def test_fp8_true_on_cupy_arrays_matches_torch(dtype):
 @pytest.mark.skipif(_hopper(), reason="the refusal is for GPUs without the FP8 kernel")
 def test_fp8_attention_elsewhere_says_which_gpu_it_needs():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="fwd_fp8_sm90 needs compute capability 9.0"):
+    with pytest.raises(NotImplementedError, match="fwd_quantized_sm90 needs compute capability 9.0"):
         cuflash.attention(q, q, q, fp8=True)

@@ -30,7 +30,8 @@ def test_check_draws_every_family_and_op_of_the_gpu(compute_capability):
     cases = check.draw_cases(np.random.default_rng(0), compute_capability, per_op=3)
     drawn = {(c.family, c.op) for c in cases}
     families = {"fwd_sm80", "bwd_sm80", "bwd_preprocess"}
-    families |= {"fwd_sm90", "fwd_fp8_sm90", "bwd_sm90", "quantize_fp8"} if compute_capability == (9, 0) else set()
+    families |= ({"fwd_sm90", "fwd_fp8_sm90", "fwd_quantized_sm90", "bwd_sm90", "quantize_fp8"}
+                 if compute_capability == (9, 0) else set())
     assert {f for f, _ in drawn} == families
     assert ("bwd_sm80", "attention_varlen_backward") in drawn
     # bwd_sm90 has no deterministic mode and compiles head dims up to 128: its draws stay within both
@@ -50,20 +51,25 @@ def test_check_passes_the_reference_itself():
 
 
 @pytest.mark.parametrize("wrong", ["out", "lse"])
-def test_check_catches_wrong_fp8_attention(monkeypatch, wrong):
-    """The FP8 criterion can fail: out 5% too large, or the lse off by 0.05 (a descale applied twice
-    or missed moves either by much more), in every drawn case."""
-    original = api.attention_fp8
+@pytest.mark.parametrize("op, function, feature, factor", [("attention_fp8_forward", "attention_fp8", "block", 1.05),
+                                                           ("attention_quantized_forward", "attention", "hadamard", 1.10)])
+def test_check_catches_wrong_fp8_attention(monkeypatch, wrong, op, function, feature, factor):
+    """The FP8 criteria can fail, in every drawn case of attention_fp8 (per-head and per-block
+    descales) and of attention(fp8=True) (with the transform and without): out 5% too large (10% for
+    fp8=True, whose draws include long rows of small outputs where the e4m3 yardstick's own error
+    reaches 5%), or the lse off by 0.05 (a descale applied twice or missed moves either by much
+    more)."""
+    original = getattr(api, function)
 
     def scaled(*args, **kw):
         out, lse = original(*args, **kw)
         if wrong == "out":
-            return (out.astype(np.float32) * 1.05).astype(out.dtype), lse
+            return (out.astype(np.float32) * factor).astype(out.dtype), lse
         return out, lse + np.float32(0.05)
 
-    monkeypatch.setattr(api, "attention_fp8", scaled)
-    cases = [c for seed in range(6) for c in _cases(seed) if c.op == "attention_fp8_forward"]
-    assert len(cases) >= 6 and {c.features["block"] for c in cases} == {None, 128}
+    monkeypatch.setattr(api, function, scaled)
+    cases = [c for seed in range(6) for c in _cases(seed) if c.op == op]
+    assert len(cases) >= 6 and len({c.features[feature] for c in cases}) == 2
     for case in cases:
         outcome = check.run_case(case, np.random.default_rng(0), on_gpu=False)
         assert not outcome.ok, (case.describe(), outcome.detail)

@@ -208,11 +208,11 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess, bwd_sm80, bwd_sm90, fwd_sm80, fwd_sm90, quantize_fp8
+    from . import bwd_preprocess, bwd_sm80, bwd_sm90, fwd_sm80, fwd_sm90, quantize_fp8, quantized_sm90
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
-    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, bwd_sm90.FAMILY, bwd_sm80.FAMILY,
-            bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
+    return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, quantized_sm90.FAMILY, bwd_sm90.FAMILY,
+            bwd_sm80.FAMILY, bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}

@@ -225,7 +225,7 @@ class FwdSm90Variant(Variant):
     varlen: bool
     softcap: bool
     pass_by: bool  # a warpgroup skips the key blocks its rows do not see (PASS_BY)
-    masked: bool  # compiled for a causal or window mask (_mask_fields)
+    masked: bool  # compiled for a causal or window mask (mask_fields)
     v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
     tensor_row_sums: bool = False  # e4m3 without the LSE: P V sums P's rows too (FP8_TENSOR_ROW_SUMS)
 
@@ -349,7 +349,7 @@ def _tiles(headdim: int, seqlen_k: int, softcap: bool) -> tuple[int, int, int, s
     return next(tiles for bound, tiles in _rows(headdim, softcap) if bound is None or seqlen_k <= bound)
 
 
-def _mask_fields(table: dict, headdim: int, problem) -> tuple[bool, bool]:
+def mask_fields(table: dict, headdim: int, problem) -> tuple[bool, bool]:
     """(pass_by, masked) for this head dim and problem: whether a causal or window mask applies, and
     `table`'s pass-by choice (PASS_BY, FP8_PASS_BY) for it. Masked problems run variants of their own
     (the kernel's kMasked: a warpgroup's diagonal block at half width where it can), so that the
@@ -358,15 +358,15 @@ def _mask_fields(table: dict, headdim: int, problem) -> tuple[bool, bool]:
     return table[headdim][masked], masked
 
 
-def _mask_choices(table: dict, headdim: int) -> tuple[tuple[bool, bool], ...]:
-    """Every (pass_by, masked) pair _mask_fields makes for this head dim."""
+def mask_choices(table: dict, headdim: int) -> tuple[tuple[bool, bool], ...]:
+    """Every (pass_by, masked) pair mask_fields makes for this head dim."""
     return tuple((table[headdim][masked], masked) for masked in (False, True))
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
     return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
-                 for _, tiles in _rows(hd, softcap) for mask in _mask_choices(PASS_BY, hd))
+                 for _, tiles in _rows(hd, softcap) for mask in mask_choices(PASS_BY, hd))
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
@@ -379,8 +379,8 @@ def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5], sums)
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
-                      for mask in _mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
-                      if not sums or _tensor_row_sums_fit(hd, tiles))
+                      for mask in mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
+                      if not sums or tensor_row_sums_fit(hd, tiles))
     return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
@@ -408,7 +408,7 @@ def check_loadable(family: str, problem, inputs, names=("q", "k", "v")) -> None:
                              f"got strides {inputs[name].strides}")
 
 
-def _check_tile_count(family: str, problem, variant) -> None:
+def check_tile_count(family: str, problem, variant) -> None:
     # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
     if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
         raise ValueError(f"{family} numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too "
@@ -422,8 +422,8 @@ def select(problem, inputs) -> FwdSm90Variant:
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
-                             *_mask_fields(PASS_BY, headdim, problem), False)
-    _check_tile_count("fwd_sm90", problem, variant)
+                             *mask_fields(PASS_BY, headdim, problem), False)
+    check_tile_count("fwd_sm90", problem, variant)
     return variant
 
 
@@ -432,7 +432,7 @@ def _fp8_forced_row(headdim: int) -> tuple[int, int, int, str, str, bool] | None
     return fp8_tiles_override.get(headdim) if fp8_tiles_override else None
 
 
-def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
+def fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q, or its
     V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where the
     V^T kernel's grid (a block row per kv head and batch) cannot hold the problem."""
@@ -451,17 +451,22 @@ def _fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     return tiles
 
 
+def v_transposed_shape(batch: int, seqlen_k: int, nheads_kv: int, headdim: int) -> tuple[int, int, int, int]:
+    """The V^T workspace of the pre-transposed FP8 forward: (batch, nheads_kv, headdim, seqlen_k
+    padded to V_TRANSPOSED_KEY_ALIGN)."""
+    return (batch, nheads_kv, headdim, -(-seqlen_k // V_TRANSPOSED_KEY_ALIGN) * V_TRANSPOSED_KEY_ALIGN)
+
+
 def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
-    """The V^T workspace (batch, nheads_kv, headdim, seqlen_k padded to 16) when this FP8 problem runs
-    pre-transposed, else None. From the problem alone (Family.workspace); None for a head dim the
-    family refuses (select says why: above 256, or rows that are not 16-byte multiples)."""
-    if problem.headdim > FP8_HEADDIMS[-1] or problem.headdim % ROW_ALIGN_BYTES or not _fp8_tiles(problem)[5]:
+    """v_transposed_shape when this FP8 problem runs pre-transposed, else None. From the problem alone
+    (Family.workspace); None for a head dim the family refuses (select says why: above 256, or rows
+    that are not 16-byte multiples)."""
+    if problem.headdim > FP8_HEADDIMS[-1] or problem.headdim % ROW_ALIGN_BYTES or not fp8_tiles(problem)[5]:
         return None
-    seqlen_pad = -(-problem.seqlen_k // V_TRANSPOSED_KEY_ALIGN) * V_TRANSPOSED_KEY_ALIGN
-    return (problem.batch, problem.nheads_kv, problem.headdim, seqlen_pad)
+    return v_transposed_shape(problem.batch, problem.seqlen_k, problem.nheads_kv, problem.headdim)
 
 
-def _tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
+def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
     """Whether the e4m3 kernel at this compiled head dim and tile row can sum P's rows on the tensor
     cores (FP8_TENSOR_ROW_SUMS: not on the FP8_PER_HEAD_TILES row)."""
     return headdim in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(headdim)
@@ -479,7 +484,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    tiles = _fp8_tiles(problem)
+    tiles = fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
     # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
     # there (a forced wide row keeps the fp32 sums).
@@ -487,18 +492,18 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None
             and not sums_wanted):
         tiles = FP8_PER_HEAD_TILES[headdim]
-    sums = not problem.with_lse and _tensor_row_sums_fit(headdim, tiles)
+    sums = not problem.with_lse and tensor_row_sums_fit(headdim, tiles)
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          "(batch, nheads_kv); per-128-row descales take blocks of 128")
     variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
-                                *_mask_fields(FP8_PASS_BY, headdim, problem), tiles[5], sums)
+                                *mask_fields(FP8_PASS_BY, headdim, problem), tiles[5], sums)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
         raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
                          f"got seqlen_k {problem.seqlen_k}")
-    _check_tile_count("fwd_fp8_sm90", problem, variant)
+    check_tile_count("fwd_fp8_sm90", problem, variant)
     return variant
 
 
@@ -538,17 +543,21 @@ def _descale_strides(inputs) -> tuple:
 _counter_slots = itertools.cycle(range(TILE_COUNTERS))
 
 
-def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
-    """For the pre-transposed FP8 forward, launch(v, vt, stream) of the pass that writes v (batch,
-    seqlen_k, nheads_kv, headdim) into the V^T workspace vt (_v_transposed_shape, contiguous), and
-    the layout of V^T's TMA descriptor (boxes of 128 keys, one swizzle row, by the compiled head
-    dim's rows, of one kv head). The pass moves 4-byte columns: select's check_loadable has made v's
-    rows (the head dim, in bytes) multiples of 16."""
+def _v_transposed_map_layout(variant: FwdSm90Variant, vt_shape: tuple[int, int, int, int]) -> tuple:
+    """The layout of V^T's TMA descriptor over the V^T workspace (v_transposed_shape, contiguous):
+    boxes of 128 keys (one swizzle row) by the compiled head dim's rows, of one kv head."""
+    batch, nheads_kv, headdim, seqlen_pad = vt_shape
+    return ((seqlen_pad, headdim, nheads_kv, batch),
+            (seqlen_pad, headdim * seqlen_pad, nheads_kv * headdim * seqlen_pad),
+            (SWIZZLE_ROW_BYTES, variant.headdim, 1, 1))
+
+
+def _prepare_transpose_v(problem, v, vt):
+    """launch(v, vt, stream) of the pass that writes e4m3 v (batch, seqlen_k, nheads_kv, headdim)
+    into the V^T workspace vt (v_transposed_shape, contiguous). It moves 4-byte columns:
+    select's check_loadable has made v's rows (the head dim, in bytes) multiples of 16."""
     assert problem.headdim % 4 == 0 and v.ptr % 4 == 0, "v's rows are 16-byte aligned (check_loadable)"
     batch, nheads_kv, headdim, seqlen_pad = vt.shape
-    map_layout_vt = ((seqlen_pad, headdim, nheads_kv, batch), (seqlen_pad, headdim * seqlen_pad,
-                                                              nheads_kv * headdim * seqlen_pad),
-                     (SWIZZLE_ROW_BYTES, variant.headdim, 1, 1))
     pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (headdim // 4)  # 2 key groups x 4 bytes
     template = TRANSPOSE_V_STRUCT.template(v_stride_b=v.strides[0], v_stride_s=v.strides[1], v_stride_h=v.strides[2],
                                            seqlen=problem.seqlen_k, seqlen_pad=seqlen_pad, nheads=nheads_kv,
@@ -563,7 +572,7 @@ def _prepare_v_transposed(variant: FwdSm90Variant, problem, v, vt):
         TRANSPOSE_V_STRUCT.write(params, "vt", vt.ptr)
         function(grid, (transpose.threads,), (TRANSPOSE_V_STRUCT.argument(params),), stream=stream)
 
-    return launch, map_layout_vt
+    return launch
 
 
 # Masked problems from this many keys draw every tile in a window; with fewer, only the last
@@ -593,10 +602,12 @@ def tile_window(pairs: int, blocks_m: int, ctas: int, seqlen_k: int) -> tuple[in
     return 0, 1
 
 
-def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
+def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_transposed_given: bool = False):
     """Family.prepare: the grid, the parameter struct without addresses and the tensor maps' layouts,
     made once; each launch writes the addresses in, looks the maps up by address (tma.encode_tiled
-    remembers them) and takes the next tile-counter slot."""
+    remembers them) and takes the next tile-counter slot. A pre-transposed e4m3 variant reads V^T
+    from outputs["v_transposed"]: written from inputs["v"] by a pass the launch runs first, or
+    (v_transposed_given: the fwd_quantized_sm90 family's launch, inputs without v) already there."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     num_tiles = blocks_m * problem.nheads * problem.batch
     if num_tiles == 0:
@@ -605,7 +616,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
                "v": (problem.nheads_kv, variant.block_n)}
     if variant.v_pretransposed:  # V^T's map is of the workspace, written at each launch
         del extents["v"]
-        transpose_v, vt_layout = _prepare_v_transposed(variant, problem, inputs["v"], outputs["v_transposed"])
+        vt_layout = _v_transposed_map_layout(variant, outputs["v_transposed"].shape)
+        transpose_v = None if v_transposed_given else _prepare_transpose_v(problem, inputs["v"], outputs["v_transposed"])
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     # The epilogue's TMA stores of a consumer's rows.
     o_layout = (map_layout(problem, outputs["out"], problem.nheads, ROWS_PER_CONSUMER, variant.out_dtype)
@@ -635,7 +647,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs):
         write_tensor_maps(PARAMS, params, dtype, maps, inputs)
         if variant.v_pretransposed:
             vt = outputs["v_transposed"]  # contiguous, as fp8_workspace declares it
-            transpose_v(inputs["v"], vt, stream)
+            if transpose_v:
+                transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
         PARAMS.write_addresses(params, outputs, addressed_outputs)
         if o_layout:

@@ -60,11 +60,39 @@ VARIANTS = tuple(QuantizeFp8Variant(dtype, headdim, hadamard, vector_loads) for 
                  for headdim in HEADDIMS for hadamard in (False, True) for vector_loads in (True, False))
 
 
+@dataclass(frozen=True)
+class QuantizeFp8TransposedVariant(Variant):
+    """V to e4m3 V^T with one descale per 128-key block (cuda_src/quantize_fp8.cu, quantize_fp8_vt):
+    attention(..., fp8=True)'s V, quantized straight into the layout of the pre-transposed FP8
+    forward (launched by the fwd_quantized_sm90 family's launcher)."""
+
+    family = "fwd_quantized_sm90"
+    source = "quantize_fp8.cu"
+    template = "cuflash::quantize_fp8_vt"
+
+    dtype: str
+    headdim: int  # compiled
+    vector_loads: bool  # V's rows are 16-byte aligned: a 4-byte load per key and column pair
+
+    def check(self) -> None:
+        QuantizeFp8Variant(self.dtype, self.headdim, False, self.vector_loads).check()
+
+    def template_args(self) -> tuple[str, ...]:
+        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.vector_loads)
+
+
+TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, headdim, vector_loads) for dtype in sorted(CXX_TYPES)
+                            for headdim in HEADDIMS for vector_loads in (True, False))
+
+
+def _compiled_headdim(headdim: int) -> int:
+    if headdim % 8 or not 0 < headdim <= HEADDIMS[-1]:
+        raise ValueError(f"quantize_fp8 takes head dims that are multiples of 8 up to {HEADDIMS[-1]}; got {headdim}")
+    return next(h for h in HEADDIMS if h >= headdim)
+
+
 def select(problem, inputs) -> QuantizeFp8Variant:
-    if problem.headdim % 8 or not 0 < problem.headdim <= HEADDIMS[-1]:
-        raise ValueError(f"quantize_fp8 takes head dims that are multiples of 8 up to {HEADDIMS[-1]}; "
-                         f"got {problem.headdim}")
-    headdim = next(h for h in HEADDIMS if h >= problem.headdim)
+    headdim = _compiled_headdim(problem.headdim)
     hadamard = problem.hadamard_seed is not None
     if hadamard and headdim != problem.headdim:  # zero-filled columns would join the transform
         raise ValueError(f"quantize_fp8 applies the Hadamard transform to head dims {HEADDIMS} on GPU; "
@@ -89,6 +117,15 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     return {"block_amax": ((problem.batch, problem.nheads, reference.fp8_blocks(problem.seqlen_q)), "float32")}
 
 
+def check_items(batch: int, nheads: int, seqlen: int) -> None:
+    """The passes over x launch a row of CTAs per batch entry (grid y) over every (block, head) item."""
+    blocks = reference.fp8_blocks(seqlen)
+    if blocks * nheads > MAX_ITEMS or batch > MAX_GRID_YZ:
+        raise ValueError(f"quantize_fp8 launches a row of CTAs per batch entry over the {reference.FP8_BLOCK}-row "
+                         f"blocks of every head: batch {batch} must be at most {MAX_GRID_YZ} and nheads x "
+                         f"ceil(seqlen / {reference.FP8_BLOCK}) ({nheads} x {blocks}) at most {MAX_ITEMS}")
+
+
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
     writes the arrays' addresses in."""
@@ -100,10 +137,7 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     assert problem.fp8_block in (None, reference.FP8_BLOCK), problem.fp8_block
     if blocks * problem.nheads * problem.batch == 0:
         return launch_nothing
-    if blocks * problem.nheads > MAX_ITEMS or problem.batch > MAX_GRID_YZ:
-        raise ValueError(f"quantize_fp8 launches a row of CTAs per batch entry over the {reference.FP8_BLOCK}-row "
-                         f"blocks of every head: batch {problem.batch} must be at most {MAX_GRID_YZ} and nheads x "
-                         f"ceil(seqlen / {reference.FP8_BLOCK}) ({problem.nheads} x {blocks}) at most {MAX_ITEMS}")
+    check_items(problem.batch, problem.nheads, problem.seqlen_q)
     x8 = outputs["x8"]
     assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
@@ -125,6 +159,30 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
             function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
 
     return launch_prepared
+
+
+def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, batch: int, seqlen: int, nheads: int,
+                       headdim: int, v, vt):
+    """launch(v, vt, descale, stream) of quantize_fp8_vt: v (batch, seqlen, nheads, headdim) laid out
+    as `v`, into vt (batch, nheads, headdim, seqlen padded to 16; contiguous) with one descale per
+    128-key block (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s."""
+    blocks = reference.fp8_blocks(seqlen)
+    if blocks * nheads * batch == 0:
+        return lambda v, vt, descale, stream: None
+    check_items(batch, nheads, seqlen)
+    _, _, rows, seqlen_pad = vt.shape
+    assert vt.strides == (nheads * rows * seqlen_pad, rows * seqlen_pad, seqlen_pad, 1) and seqlen_pad % 16 == 0
+    template = PARAMS.template(seqlen=seqlen, nheads=nheads, headdim=headdim, x_stride_b=v.strides[0],
+                               x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
+                               x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], **{"pass": BLOCK_SCALES})
+    grid, block_dim = (-(-blocks * nheads // ITEMS_PER_CTA), batch), (threads(variant.headdim),)
+
+    def launch(v, vt, descale, stream) -> None:
+        params = bytearray(template)
+        PARAMS.write_addresses(params, dict(x=v, x8=vt, descale=descale), ("x", "x8", "descale"))
+        function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
+
+    return launch
 
 
 FAMILY = Family(
