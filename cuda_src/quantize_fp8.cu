@@ -9,12 +9,12 @@
 // A CTA takes kItemsPerCta (block of kBlockRows rows, head) items of one batch entry (blockIdx.y),
 // item i being block i / nheads of head i % nheads: the heads of a block next to each other, so
 // CTAs running together read whole token rows of x, not one head's slice of rows far apart. A
-// thread holds kChunk consecutive elements (16 bytes of x) of kRowsPerThread rows of an item, all
-// loaded before any is used, and prefetches its rows of the next item into L2 while it works on
-// these: x is read from memory once a launch. The amax is a CTA reduction over the held (transformed)
-// values, which are then converted from registers. The transform is the fast Walsh-Hadamard
-// butterfly: strides below kChunk within a thread, the others across the row's kHeadDim / kChunk
-// lanes with shuffles (log2(kHeadDim / kChunk) of them an element).
+// thread holds chunks of kChunk consecutive elements (16 bytes of x) of one or two rows of an item
+// (Layout), all loaded before any is used, and each row's first lane prefetches the thread's rows
+// of the next item into L2 while the CTA works on these: x is read from memory once a launch. The
+// amax is a CTA reduction over the held (transformed) values, which are then converted from
+// registers. The transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks,
+// the others across a row's Layout::kLanes lanes with shuffles.
 //
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
@@ -45,13 +45,26 @@ struct QuantizeFp8Params {
 };
 static_assert(sizeof(QuantizeFp8Params) == 128, "keep in step with cuflash/kernels/quantize_fp8.py");
 
-constexpr int kChunk = 8;  // elements a thread holds of each of its rows: one 16-byte load
+constexpr int kChunk = 8;  // elements of one 16-byte load
 
-// Threads of a CTA: a row takes kHeadDim / kChunk of them, and each holds kRowsPerThread rows.
-constexpr int kRowsPerThread = 4;
-__host__ __device__ constexpr int quantize_threads(int head_dim) {
-  return kBlockRows / kRowsPerThread * (head_dim / kChunk);
-}
+// A thread holds kElements elements: kRows rows (kRowStep apart) by kPieces chunks. Chunk c of a
+// row's lane l lies at column kChunk (c kLanes + l), so that each load reads kChunk kLanes
+// contiguous elements of a row (at least 64 bytes) and each store writes whole 32-byte sectors. The
+// Hadamard butterfly then crosses lanes for log2(kLanes) = 2, 2 or 3 of its strides at head dims 64,
+// 128, 256, where 8 elements of each of 4 rows took 3, 4 or 5: the transform's cost was its
+// shuffles (H100, session 31, per-128-row scales: 42 / 48 / 56 us -> 42 / 44 / 49 us for a 16k x
+// 2048 bf16 tensor; at 64, one row of 32 elements a thread, two lanes a row with 16-byte stores,
+// ran 1.8x slower).
+constexpr int kElements = 32;
+template <int kHeadDim>
+struct Layout {
+  static constexpr int kLanes = kHeadDim / kElements > 4 ? kHeadDim / kElements : 4;  // a row's: 4, 4, 8
+  static constexpr int kPieces = kHeadDim / (kChunk * kLanes);                         // 2, 4, 4
+  static constexpr int kRows = kElements / (kChunk * kPieces);                         // 2, 1, 1
+  static constexpr int kPieceStep = kChunk * kLanes;  // columns between a thread's chunks
+  using Values = float[kRows][kPieces][kChunk];
+};
+__host__ __device__ constexpr int quantize_threads(int head_dim) { return kBlockRows * head_dim / kElements; }
 
 // The kChunk elements of x at `at` as floats; kVectorLoads: one 16-byte load (the row is 16-byte
 // aligned), else element by element.
@@ -85,21 +98,28 @@ __device__ __forceinline__ float divide(float x, float descale, float r) {
   }
 }
 
-// A thread's rows row0, row0 + row_step, ... (those below seqlen) of x / descale to e4m3, a chunk
-// (8 bytes: x8 is cuflash's, contiguous, so 8-byte aligned) a row.
-template <bool kFiniteDescale, int kRows>
-__device__ __forceinline__ void store_codes(const float (&v)[kRows][kChunk], float descale, unsigned char* x8,
-                                            long long x8_stride_s, int row0, int row_step, int seqlen) {
+// A thread's chunks (those at columns below headdim, of rows below seqlen) of x / descale to e4m3,
+// 8 bytes a chunk at x8 + row x8_stride_s + column (x8 is cuflash's, contiguous, so 8-byte aligned).
+template <bool kFiniteDescale, int kHeadDim>
+__device__ __forceinline__ void store_codes(const typename Layout<kHeadDim>::Values& v, float descale,
+                                            unsigned char* x8, long long x8_stride_s, int row0, int row_step,
+                                            int seqlen, int col0, int headdim) {
+  using L = Layout<kHeadDim>;
   const float r = 1.f / descale;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < L::kRows; ++i) {
     const int row = row0 + i * row_step;
     if (row >= seqlen) break;
-    float q[kChunk];
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) q[e] = divide<kFiniteDescale>(v[i][e], descale, r);
-    *reinterpret_cast<uint2*>(x8 + row * x8_stride_s) = make_uint2(pack4_e4m3(q[0], q[1], q[2], q[3]),
-                                                                   pack4_e4m3(q[4], q[5], q[6], q[7]));
+    for (int c = 0; c < L::kPieces; ++c) {
+      const int col = col0 + c * L::kPieceStep;
+      if (col >= headdim) break;
+      float q[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) q[e] = divide<kFiniteDescale>(v[i][c][e], descale, r);
+      *reinterpret_cast<uint2*>(x8 + row * x8_stride_s + col) = make_uint2(pack4_e4m3(q[0], q[1], q[2], q[3]),
+                                                                          pack4_e4m3(q[4], q[5], q[6], q[7]));
+    }
   }
 }
 
@@ -109,7 +129,7 @@ constexpr int kItemsPerCta = 4;
 
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
 
-// Item `item` of a batch entry: block `block` of head `h`, a thread's rows of it row0, row0 + kRowStep, ...
+// Item `item` of a batch entry: block `block` of head `h`, a thread's first row of it (quantize_fp8_vt: key) row0.
 struct Item {
   int block, h, row0;
 };
@@ -118,39 +138,63 @@ __device__ __forceinline__ Item item_at(int item, int nheads, int row_in_block) 
   return {block, item - block * nheads, block * kBlockRows + row_in_block};
 }
 
-// diag(signs) H / sqrt(kHeadDim) on each held row: the butterfly's strides below kChunk within the
-// thread, the others across the row's lanes.
-template <int kHeadDim, int kRows>
-__device__ __forceinline__ void hadamard_rows(float (&v)[kRows][kChunk], const QuantizeFp8Params& p, int lane,
-                                              int col) {
-  constexpr int kLanesPerRow = kHeadDim / kChunk;
-  const unsigned negate = static_cast<unsigned>(p.signs[col / 64] >> (col % 64)) & 0xffu;
+// diag(signs) H / sqrt(kHeadDim) on each of the thread's rows: the butterfly's strides within a
+// chunk (1, 2, 4), between a thread's chunks (the column bits above the lanes'), then across the
+// row's lanes.
+template <int kHeadDim>
+__device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim>::Values& v, const QuantizeFp8Params& p,
+                                              int lane) {
+  using L = Layout<kHeadDim>;
   constexpr float kNorm = kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < L::kRows; ++i) {
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) if ((negate >> e) & 1u) v[i][e] = -v[i][e];
+    for (int c = 0; c < L::kPieces; ++c) {
+      const int col = kChunk * (c * L::kLanes + lane);
+      const unsigned negate = static_cast<unsigned>(p.signs[col / 64] >> (col % 64)) & 0xffu;
 #pragma unroll
-    for (int s = 1; s < kChunk; s *= 2) {  // partners in this thread's registers
+      for (int e = 0; e < kChunk; ++e) if ((negate >> e) & 1u) v[i][c][e] = -v[i][c][e];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) {
-        if (e & s) continue;
-        const float lo = v[i][e], hi = v[i][e + s];
-        v[i][e] = lo + hi;
-        v[i][e + s] = lo - hi;
+      for (int s = 1; s < kChunk; s *= 2) {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) {
+          if (e & s) continue;
+          const float lo = v[i][c][e], hi = v[i][c][e + s];
+          v[i][c][e] = lo + hi;
+          v[i][c][e + s] = lo - hi;
+        }
       }
     }
 #pragma unroll
-    for (int s = 1; s < kLanesPerRow; s *= 2) {  // partners in lane ^ s of the row's lanes
+    for (int s = 1; s < L::kPieces; s *= 2) {
+#pragma unroll
+      for (int c = 0; c < L::kPieces; ++c) {
+        if (c & s) continue;
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) {
+          const float lo = v[i][c][e], hi = v[i][c + s][e];
+          v[i][c][e] = lo + hi;
+          v[i][c + s][e] = lo - hi;
+        }
+      }
+    }
+#pragma unroll
+    for (int s = 1; s < L::kLanes; s *= 2) {  // partners in lane ^ s of the row's lanes
       const bool upper = lane & s;
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[i][e], s);
-        v[i][e] = upper ? other - v[i][e] : v[i][e] + other;
+      for (int c = 0; c < L::kPieces; ++c) {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) {
+          const float other = __shfl_xor_sync(0xffffffffu, v[i][c][e], s);
+          v[i][c][e] = upper ? other - v[i][c][e] : v[i][c][e] + other;
+        }
       }
     }
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) v[i][e] *= kNorm;
+    for (int c = 0; c < L::kPieces; ++c) {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) v[i][c][e] *= kNorm;
+    }
   }
 }
 
@@ -180,16 +224,15 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
                 "a power-of-two head dim of 64 to 256");
-  constexpr int kLanesPerRow = kHeadDim / kChunk;  // 8, 16 or 32: a row stays within a warp
+  using L = Layout<kHeadDim>;  // a row stays within a warp
   constexpr int kThreads = quantize_threads(kHeadDim);
-  constexpr int kRowStep = kThreads / kLanesPerRow;  // rows between a thread's rows
+  constexpr int kRowStep = kThreads / L::kLanes;  // rows between a thread's rows
   constexpr int kWarps = kThreads / 32;
-  const int lane = threadIdx.x % kLanesPerRow, col = lane * kChunk;
+  const int lane = threadIdx.x % L::kLanes, col0 = lane * kChunk;
   const int b = blockIdx.y;
   const int nblocks = p.seqlen / kBlockRows + (p.seqlen % kBlockRows != 0), items = nblocks * p.nheads;
-  const int row_in_block = static_cast<int>(threadIdx.x) / kLanesPerRow;
-  const bool live = col < p.headdim;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
-  const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
+  const int row_in_block = static_cast<int>(threadIdx.x) / L::kLanes;
+  const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col0;
   __shared__ float warp_amax[2][kWarps];  // by item parity: the next item's writes never meet this one's reads
 
   if (p.pass == kHeadScale) {  // a CTA per (head blockIdx.x, batch b)
@@ -204,26 +247,33 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
     const auto [block, h, row0] = item_at(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
-    float v[kRowsPerThread][kChunk];
+    typename L::Values v;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int r = row0 + i * kRowStep;
-      if (live && r < p.seqlen) {
-        load_chunk<T, kVectorLoads>(x + r * p.x_stride_s, v[i]);
-      } else {
+    for (int i = 0; i < L::kRows; ++i) {
+      const int row = row0 + i * kRowStep;
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) v[i][e] = 0.f;  // leaves the amax as it is; never stored
+      for (int c = 0; c < L::kPieces; ++c) {
+        if (row < p.seqlen && col0 + c * L::kPieceStep < p.headdim) {
+          load_chunk<T, kVectorLoads>(x + row * p.x_stride_s + c * L::kPieceStep, v[i][c]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) v[i][c][e] = 0.f;  // leaves the amax as it is; never stored
+        }
       }
     }
-    if (j + 1 < kItemsPerCta && item + 1 < items) {
+    if (j + 1 < kItemsPerCta && item + 1 < items && lane == 0) {  // a row's lines: lane 0's chunks span them
       const Item next = item_at(item + 1, p.nheads, row_in_block);
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const int r = next.row0 + i * kRowStep;
-        if (live && r < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + r * p.x_stride_s);
+      for (int i = 0; i < L::kRows; ++i) {
+        const int row = next.row0 + i * kRowStep;
+        const T* at = x_batch + next.h * p.x_stride_h + row * p.x_stride_s;
+#pragma unroll
+        for (int c = 0; c < L::kPieces; ++c) {
+          if (row < p.seqlen && c * L::kPieceStep < p.headdim) prefetch_l2(at + c * L::kPieceStep);
+        }
       }
     }
-    if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane, col);
+    if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane);
 
     const long long head = static_cast<long long>(b) * p.nheads + h;
     float descale;
@@ -232,9 +282,12 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     } else {  // fmaxf skips NaNs: they do not count towards the scale (a NaN stays NaN in x8)
       float amax = 0.f;
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
+      for (int i = 0; i < L::kRows; ++i) {
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+        for (int c = 0; c < L::kPieces; ++c) {
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) amax = fmaxf(amax, fabsf(v[i][c][e]));
+        }
       }
       amax = cta_max<kWarps>(amax, warp_amax[j % 2]);
       if (p.pass == kHeadAmax) {
@@ -244,12 +297,11 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
       descale = descale_of(amax);
       if (threadIdx.x == 0) p.descale[head * nblocks + block] = descale;
     }
-    if (!live) continue;
-    unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col;
+    unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
     if (descale < infinity()) {
-      store_codes<true>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen);
+      store_codes<true, kHeadDim>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
     } else {
-      store_codes<false>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen);
+      store_codes<false, kHeadDim>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
     }
   }
 }

@@ -26,13 +26,13 @@ QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "desca
 assert QUANTIZE_FP8_PARAMS.itemsize == 128, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 128)"
 PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
 BLOCK_SCALES, HEAD_AMAX, HEAD_SCALE, HEAD_CONVERT = 0, 1, 2, 3
-ROWS_PER_THREAD, CHUNK, ITEMS_PER_CTA = 4, 8, 4  # kRowsPerThread, kChunk, kItemsPerCta
+ELEMENTS, CHUNK, ITEMS_PER_CTA = 32, 8, 4  # kElements (a thread's), kChunk, kItemsPerCta
 MAX_ITEMS = 2**31 - 1 - ITEMS_PER_CTA  # the kernel counts (block, head) items in int, up to a CTA's past the last
 
 
 def threads(headdim: int) -> int:
-    """quantize_threads: a 128-row block, CHUNK elements of ROWS_PER_THREAD rows a thread."""
-    return reference.FP8_BLOCK // ROWS_PER_THREAD * (headdim // CHUNK)
+    """quantize_threads: a 128-row block, ELEMENTS elements a thread."""
+    return reference.FP8_BLOCK * headdim // ELEMENTS
 
 
 @dataclass(frozen=True)
