@@ -538,3 +538,52 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
         quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
     with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483643"):
         quantize.prepare(variant, function, dataclasses.replace(problem, nheads=2**16, seqlen_q=2**22), arrays, arrays)
+
+
+def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():
+    """attention(fp8=True)'s op on Hopper (fwd_quantized_sm90): the FP8 forward's own row for the
+    problem, pre-transposed (V^T comes from the quantizer), with the tensor-core row sums at head dim
+    64 without the LSE; its workspace (e4m3 q, k, V^T and per-128-row descales) from the problem
+    alone; empty sequences, head dims that are not multiples of 16 and forced wide rows refused."""
+    from cuflash import kernels
+    from cuflash.arrays import Device, DeviceArray
+    from cuflash.kernels import fwd_sm90, quantized_sm90
+    from cuflash.problem import Problem
+
+    problem = Problem(op="attention_quantized_forward", framework="torch", device=Device("cuda", 0),
+                      dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=128,
+                      softmax_scale=0.1, out_dtype="bfloat16", fp8_block=128, hadamard_seed=0)
+
+    def inputs(p):
+        def rows(seqlen, heads):
+            return DeviceArray(ptr=1 << 20, shape=(p.batch, seqlen, heads, p.headdim),
+                               strides=(seqlen * heads * p.headdim, heads * p.headdim, p.headdim, 1))
+        return dict(q=rows(p.seqlen_q, p.nheads), k=rows(p.seqlen_k, p.nheads_kv), v=rows(p.seqlen_k, p.nheads_kv))
+
+    fp8 = quantized_sm90._fp8_problem(problem)
+    variant = quantized_sm90.select(problem, inputs(problem))
+    assert variant.v_pretransposed and (variant.consumers, variant.block_n, variant.stages, variant.sync) == \
+        fwd_sm90.fp8_tiles(fp8)[:4] and not fwd_sm90.fp8_tiles(fp8)[5]  # the short row, flipped
+    assert variant in quantized_sm90.variants_for((9, 0)) and variant.out_dtype == "bfloat16"
+    assert kernels.workspace(problem) == {
+        "q8": ((2, 300, 4, 128), "float8_e4m3fn"), "k8": ((2, 1000, 2, 128), "float8_e4m3fn"),
+        "q_descale": ((2, 4, 3), "float32"), "k_descale": ((2, 2, 8), "float32"), "v_descale": ((2, 2, 8), "float32"),
+        "v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
+    no_lse_64 = dataclasses.replace(problem, headdim=64, with_lse=False)
+    assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).tensor_row_sums
+    long_128 = dataclasses.replace(problem, seqlen_q=5000)  # the pre-transposed row of FP8_TILES, 128 keys
+    assert quantized_sm90.select(long_128, inputs(long_128)).block_n == 128
+    for bad, match in ((dataclasses.replace(problem, seqlen_k=0), "cannot describe an empty"),
+                       (dataclasses.replace(problem, headdim=40, hadamard_seed=None), "multiples of 16")):
+        with pytest.raises(ValueError, match=match):
+            quantized_sm90.select(bad, inputs(bad))
+    saved = fwd_sm90.fp8_tiles_override
+    try:
+        fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_PER_HEAD_TILES[128]}
+        with pytest.raises(ValueError, match="a forced row of 192 keys"):
+            quantized_sm90.select(problem, inputs(problem))
+        fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_TILES[128][0][1]}  # in the kernel: v8 in the workspace
+        assert not quantized_sm90.select(problem, inputs(problem)).v_pretransposed
+        assert kernels.workspace(problem)["v8"] == ((2, 1000, 2, 128), "float8_e4m3fn")
+    finally:
+        fwd_sm90.fp8_tiles_override = saved

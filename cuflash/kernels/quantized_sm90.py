@@ -65,6 +65,8 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
     check_headdim(FAMILY_NAME, problem.headdim, fwd_sm90.FP8_HEADDIMS[-1])
+    if problem.seqlen_q == 0 or problem.seqlen_k == 0:  # (as fwd_sm90.check_loadable says it)
+        raise ValueError(f"{FAMILY_NAME} loads through TMA descriptors, which cannot describe an empty q, k or v")
     if problem.headdim % 16:
         raise ValueError(f"{FAMILY_NAME} loads e4m3 rows of 16-byte multiples: head dims that are multiples of 16; "
                          f"got {problem.headdim}")
@@ -77,6 +79,9 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
     if tiles[1] != 128:
         raise ValueError(f"{FAMILY_NAME} quantizes k and v per 128 rows: a forced row of {tiles[1]} keys cannot take them")
+    if not tiles[5] and -(-problem.seqlen_k // tiles[1]) > fwd_sm90.FP8_MAX_KEY_BLOCKS:  # (a forced row)
+        raise ValueError(f"{FAMILY_NAME} on a row that transposes V in the kernel takes at most "
+                         f"{fwd_sm90.FP8_MAX_KEY_BLOCKS * tiles[1]} keys; got seqlen_k {problem.seqlen_k}")
     sums = not problem.with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles)
     variant = fwd_sm90.FwdFp8Sm90Variant(FP8, problem.dtype, headdim, *tiles[:5], False, False,
                                          *fwd_sm90.mask_fields(fwd_sm90.FP8_PASS_BY, headdim, fp8), tiles[5], sums)
