@@ -26,19 +26,6 @@ def supported_dtypes(op: str, device: arrays.Device) -> frozenset:
     return frozenset().union(*(f.dtypes for f in kernels.families_for(op)))
 
 
-def unavailable(op: str, device: arrays.Device, backend: str | None = None) -> str | None:
-    """Why no kernel family can run `op` on this GPU at all (its compute capability), or None: for
-    checks before work whose result only such a kernel could take (attention(..., fp8=True))."""
-    from . import jit
-
-    cc = jit.device_compute_capability(device.index)
-    families = kernels.families_for(op, backend)
-    if any(f.runs_on(cc) for f in families):
-        return None
-    why = "; ".join(f"{f.name} needs {f.requirement}" for f in families) or "no GPU kernel family implements it"
-    return f"compute capability {cc[0]}.{cc[1]}: {why}"
-
-
 def run(problem: Problem, inputs: dict[str, Any], outputs: dict[str, tuple]) -> tuple:
     """Allocate the outputs (name -> (shape, dtype)), and the kernels' workspace on a GPU, in the
     caller's framework; run; return the outputs."""
