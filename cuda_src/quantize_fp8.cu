@@ -306,21 +306,40 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   }
 }
 
-// A thread's 16 keys of two head-dim columns (v[key][column]) / descale to e4m3, each column as one
-// 16-byte row of V^T at dst + column x row_stride, in the forward's key order: word w holds keys
-// 2w, 2w + 1, 2w + 8, 2w + 9.
-template <bool kFiniteDescale>
-__device__ __forceinline__ void store_transposed_codes(const float (&v)[16][2], float descale, unsigned char* dst,
-                                                       long long row_stride) {
+// A thread's 8 keys (v[key][column]) of four head-dim columns / descale to e4m3, two columns as one
+// 16-byte row each of V^T at dst + column x row_stride, in the forward's key order (word w holds
+// keys 2w, 2w + 1, 2w + 8, 2w + 9 of a group of 16): the thread of the group's first 8 keys (`low`)
+// stores columns 0 and 1, its partner (lane ^ kPartner, the group's last 8 keys) columns 2 and 3,
+// each taking the other's halves of its words through four shuffles (which every lane of the warp
+// takes, `store` or not).
+template <bool kFiniteDescale, int kPartner>
+__device__ __forceinline__ void store_transposed_codes(const float (&v)[8][4], float descale, unsigned char* dst,
+                                                       long long row_stride, bool low, bool store) {
   const float r = 1.f / descale;
+  unsigned half[4][2];  // column c, keys 4i .. 4i + 3 of the thread's: words 2i (low half) and 2i + 1's halves
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float q[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = divide<kFiniteDescale>(v[k][c], descale, r);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // keys 4i .. 4i + 3: halfwords for words 2i and 2i + 1
+      half[c][i] = static_cast<unsigned>(e4m3x2(q[4 * i + 1], q[4 * i])) |
+                   (static_cast<unsigned>(e4m3x2(q[4 * i + 3], q[4 * i + 2])) << 16);
+    }
+  }
+  const int mine = low ? 0 : 2, theirs = low ? 2 : 0;  // the columns this thread stores, and its partner
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    float q[16];
+    unsigned other[2];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) q[k] = divide<kFiniteDescale>(v[k][c], descale, r);
-    *reinterpret_cast<uint4*>(dst + c * row_stride) = make_uint4(
-        pack4_e4m3(q[0], q[1], q[8], q[9]), pack4_e4m3(q[2], q[3], q[10], q[11]),
-        pack4_e4m3(q[4], q[5], q[12], q[13]), pack4_e4m3(q[6], q[7], q[14], q[15]));
+    for (int i = 0; i < 2; ++i) other[i] = __shfl_xor_sync(0xffffffffu, half[theirs + c][i], kPartner);
+    const unsigned* lo = low ? half[mine + c] : other;
+    const unsigned* hi = low ? other : half[mine + c];
+    // word w: keys 2w, 2w + 1 (lo's halfword w) and 2w + 8, 2w + 9 (hi's halfword w)
+    if (store) *reinterpret_cast<uint4*>(dst + (mine + c) * row_stride) = make_uint4(
+        __byte_perm(lo[0], hi[0], 0x5410), __byte_perm(lo[0], hi[0], 0x7632),
+        __byte_perm(lo[1], hi[1], 0x5410), __byte_perm(lo[1], hi[1], 0x7632));
   }
 }
 
@@ -331,22 +350,24 @@ __device__ __forceinline__ void store_transposed_codes(const float (&v)[16][2], 
 // the order in which the FP8 forward packs P). attention(..., fp8=True) quantizes V straight into
 // the layout the pre-transposed FP8 forward loads, with no pass over V8 in between. Items as
 // quantize_fp8's (kBlockScales only); x8_stride_b and x8_stride_h are V^T's, x8_stride_s a head-dim
-// row's. A warp takes 32 keys (two groups of 16) by 32 head-dim columns: a thread one group's keys
-// of two neighbouring columns (a 4-byte load a key: the 16 lanes of a group read 64 contiguous
-// bytes of each key) and stores two rows of 16 keys, 16 bytes each, next to its partner's (lane
-// ^ 1, the neighbouring group): whole 32-byte sectors.
+// row's. A warp takes 32 keys (two groups of 16) by 32 head-dim columns: lane = 8 slot + c, a
+// thread 8 keys (slot's) of four neighbouring columns (an 8-byte load a key: the 8 lanes of a slot
+// read 64 contiguous bytes of each key), and stores two rows of its group's 16 keys (16 bytes),
+// next to those of the neighbouring group (slot ^ 2): whole 32-byte sectors.
 template <typename T, int kHeadDim, bool kVectorLoads>
 __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_threads(kHeadDim))
     quantize_fp8_vt(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256 && sizeof(T) == 2, "16-bit V, head dim 64 to 256");
   constexpr int kThreads = quantize_threads(kHeadDim);
   constexpr int kWarps = kThreads / 32;
-  constexpr int kKeys = 16;                       // a thread's keys: one group
+  constexpr int kKeys = 8;                        // a thread's keys: half a group of 16
   constexpr int kColumnWarps = kHeadDim / 32;     // warps across the head dim
   static_assert(kWarps == kColumnWarps * kBlockRows / 32, "a CTA covers a block of keys by the head dim");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = 32 * (warp % kColumnWarps) + 2 * (lane / 2);
-  const int group = 2 * (warp / kColumnWarps) + lane % 2;  // of the block's kBlockRows / kKeys
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / 8;
+  const int col = 32 * (warp % kColumnWarps) + 4 * (lane % 8);
+  const int first_key = 32 * (warp / kColumnWarps) + kKeys * slot;  // in the block
+  const int group_key = first_key & ~15;                            // the group's first
+  const bool low = (slot & 1) == 0;
   const int b = blockIdx.y;
   const int nblocks = p.seqlen / kBlockRows + (p.seqlen % kBlockRows != 0), items = nblocks * p.nheads;
   const int seqlen_pad = static_cast<int>(p.x8_stride_s);
@@ -355,28 +376,31 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   __shared__ float warp_amax[2][kWarps];  // by item parity, as in quantize_fp8
 
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
-    const auto [block, h, key0] = item_at(item, p.nheads, kKeys * group);
+    const auto [block, h, key0] = item_at(item, p.nheads, first_key);
     const T* x = x_batch + h * p.x_stride_h;
-    float v[kKeys][2];
+    float v[kKeys][4];
 #pragma unroll
     for (int k = 0; k < kKeys; ++k) {
       const int key = key0 + k;
       if (live && key < p.seqlen) {
         const T* at = x + key * p.x_stride_s;
-        if constexpr (kVectorLoads) {  // 16-byte aligned rows: col is even, so a word
-          const unsigned word = *reinterpret_cast<const unsigned*>(at);
-          v[k][0] = to_float(T{static_cast<unsigned short>(word & 0xffffu)});
-          v[k][1] = to_float(T{static_cast<unsigned short>(word >> 16)});
+        if constexpr (kVectorLoads) {  // 16-byte aligned rows: col is a multiple of 4, so 8 bytes
+          const uint2 words = *reinterpret_cast<const uint2*>(at);
+          v[k][0] = to_float(T{static_cast<unsigned short>(words.x & 0xffffu)});
+          v[k][1] = to_float(T{static_cast<unsigned short>(words.x >> 16)});
+          v[k][2] = to_float(T{static_cast<unsigned short>(words.y & 0xffffu)});
+          v[k][3] = to_float(T{static_cast<unsigned short>(words.y >> 16)});
         } else {
-          v[k][0] = to_float(at[0]);
-          v[k][1] = to_float(at[1]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) v[k][c] = to_float(at[c]);
         }
       } else {
-        v[k][0] = v[k][1] = 0.f;  // leaves the amax as it is; a padding key's code is 0
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[k][c] = 0.f;  // leaves the amax as it is; a padding key's code is 0
       }
     }
-    if (j + 1 < kItemsPerCta && item + 1 < items && lane < 2) {  // a warp's 64 bytes of a key: one line
-      const Item next = item_at(item + 1, p.nheads, kKeys * group);
+    if (j + 1 < kItemsPerCta && item + 1 < items && lane % 8 == 0) {  // a slot's 64 bytes of a key: one line
+      const Item next = item_at(item + 1, p.nheads, first_key);
 #pragma unroll
       for (int k = 0; k < kKeys; ++k) {
         const int key = next.row0 + k;
@@ -385,17 +409,21 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     }
     float amax = 0.f;  // fmaxf skips NaNs, as in quantize_fp8
 #pragma unroll
-    for (int k = 0; k < kKeys; ++k) amax = fmaxf(amax, fmaxf(fabsf(v[k][0]), fabsf(v[k][1])));
+    for (int k = 0; k < kKeys; ++k) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) amax = fmaxf(amax, fabsf(v[k][c]));
+    }
     amax = cta_max<kWarps>(amax, warp_amax[j % 2]);
     const float descale = descale_of(amax);
     const long long head = static_cast<long long>(b) * p.nheads + h;
     if (threadIdx.x == 0) p.descale[head * nblocks + block] = descale;
-    if (!live || key0 >= seqlen_pad) continue;
-    unsigned char* dst = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col * p.x8_stride_s + key0;
+    const int group0 = block * kBlockRows + group_key;
+    const bool store = live && group0 < seqlen_pad;  // (the partners agree)
+    unsigned char* dst = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h + col * p.x8_stride_s + group0;
     if (descale < infinity()) {
-      store_transposed_codes<true>(v, descale, dst, p.x8_stride_s);
+      store_transposed_codes<true, 8>(v, descale, dst, p.x8_stride_s, low, store);
     } else {
-      store_transposed_codes<false>(v, descale, dst, p.x8_stride_s);
+      store_transposed_codes<false, 8>(v, descale, dst, p.x8_stride_s, low, store);
     }
   }
 }

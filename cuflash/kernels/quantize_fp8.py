@@ -72,7 +72,7 @@ class QuantizeFp8TransposedVariant(Variant):
 
     dtype: str
     headdim: int  # compiled
-    vector_loads: bool  # V's rows are 16-byte aligned: a 4-byte load per key and column pair
+    vector_loads: bool  # V's rows are 16-byte aligned: an 8-byte load per key and four columns
 
     def check(self) -> None:
         QuantizeFp8Variant(self.dtype, self.headdim, False, self.vector_loads).check()
