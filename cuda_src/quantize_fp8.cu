@@ -49,18 +49,19 @@ constexpr int kChunk = 8;  // elements of one 16-byte load
 
 // A thread holds kElements elements: kRows rows (kRowStep apart) by kPieces chunks. Chunk c of a
 // row's lane l lies at column kChunk (c kLanes + l), so that each load reads kChunk kLanes
-// contiguous elements of a row (at least 64 bytes) and each store writes whole 32-byte sectors. The
-// Hadamard butterfly then crosses lanes for log2(kLanes) = 2, 2 or 3 of its strides at head dims 64,
-// 128, 256, where 8 elements of each of 4 rows took 3, 4 or 5: the transform's cost was its
+// contiguous elements of a row and each store writes whole 32-byte sectors. Without the transform
+// a row has 8 lanes: 128 contiguous bytes a load. With it, as few as keep 64 bytes a load (4, 4, 8
+// at head dims 64, 128, 256), so that the Hadamard butterfly crosses lanes for 2, 2 or 3 of its
+// strides, where 8 elements of each of 4 rows took 3, 4 or 5: the transform's cost was its
 // shuffles (H100, session 31, per-128-row scales: 42 / 48 / 56 us -> 42 / 44 / 49 us for a 16k x
 // 2048 bf16 tensor; at 64, one row of 32 elements a thread, two lanes a row with 16-byte stores,
 // ran 1.8x slower).
 constexpr int kElements = 32;
-template <int kHeadDim>
+template <int kHeadDim, bool kHadamard>
 struct Layout {
-  static constexpr int kLanes = kHeadDim / kElements > 4 ? kHeadDim / kElements : 4;  // a row's: 4, 4, 8
-  static constexpr int kPieces = kHeadDim / (kChunk * kLanes);                         // 2, 4, 4
-  static constexpr int kRows = kElements / (kChunk * kPieces);                         // 2, 1, 1
+  static constexpr int kLanes = !kHadamard ? 8 : kHeadDim / kElements > 4 ? kHeadDim / kElements : 4;
+  static constexpr int kPieces = kHeadDim / (kChunk * kLanes);
+  static constexpr int kRows = kElements / (kChunk * kPieces);
   static constexpr int kPieceStep = kChunk * kLanes;  // columns between a thread's chunks
   using Values = float[kRows][kPieces][kChunk];
 };
@@ -100,11 +101,10 @@ __device__ __forceinline__ float divide(float x, float descale, float r) {
 
 // A thread's chunks (those at columns below headdim, of rows below seqlen) of x / descale to e4m3,
 // 8 bytes a chunk at x8 + row x8_stride_s + column (x8 is cuflash's, contiguous, so 8-byte aligned).
-template <bool kFiniteDescale, int kHeadDim>
-__device__ __forceinline__ void store_codes(const typename Layout<kHeadDim>::Values& v, float descale,
+template <bool kFiniteDescale, typename L>
+__device__ __forceinline__ void store_codes(const typename L::Values& v, float descale,
                                             unsigned char* x8, long long x8_stride_s, int row0, int row_step,
                                             int seqlen, int col0, int headdim) {
-  using L = Layout<kHeadDim>;
   const float r = 1.f / descale;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
@@ -142,9 +142,9 @@ __device__ __forceinline__ Item item_at(int item, int nheads, int row_in_block) 
 // chunk (1, 2, 4), between a thread's chunks (the column bits above the lanes'), then across the
 // row's lanes.
 template <int kHeadDim>
-__device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim>::Values& v, const QuantizeFp8Params& p,
+__device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::Values& v, const QuantizeFp8Params& p,
                                               int lane) {
-  using L = Layout<kHeadDim>;
+  using L = Layout<kHeadDim, true>;
   constexpr float kNorm = kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
                 "a power-of-two head dim of 64 to 256");
-  using L = Layout<kHeadDim>;  // a row stays within a warp
+  using L = Layout<kHeadDim, kHadamard>;  // a row stays within a warp
   constexpr int kThreads = quantize_threads(kHeadDim);
   constexpr int kRowStep = kThreads / L::kLanes;  // rows between a thread's rows
   constexpr int kWarps = kThreads / 32;
@@ -299,9 +299,9 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     }
     unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
     if (descale < infinity()) {
-      store_codes<true, kHeadDim>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
+      store_codes<true, L>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
     } else {
-      store_codes<false, kHeadDim>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
+      store_codes<false, L>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
     }
   }
 }

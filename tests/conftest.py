@@ -7,7 +7,6 @@ Profiles (choose with --hypothesis-profile=NAME; `ci` is the default):
   gpu      derandomized profile for the GPU suites (examples set per test).
 """
 import os
-import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -43,9 +42,14 @@ def pytest_collection_modifyitems(config, items):
 def jax_on_its_cpu_in_cpu_tests(request):
     """Tests not marked gpu hold JAX arrays to the NumPy reference (float64 among them): they run on
     JAX's CPU device also where JAX has a GPU (the lent machine's), whose kernels take 16-bit inputs
-    only. GPU tests choose their devices themselves."""
-    jax = sys.modules.get("jax")  # imported by the test modules that use it
-    if jax is None or request.node.get_closest_marker("gpu"):
+    only. GPU tests choose their devices themselves. (JAX is imported here, not left to the test: a
+    test that imports it itself, first in a run, would otherwise get XLA's GPU.)"""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    try:
+        import jax
+    except ImportError:
         yield
         return
     with jax.default_device(jax.devices("cpu")[0]):

@@ -72,7 +72,8 @@ except ImportError:
 if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quantize_fp8: e4m3 from sm_89
     for dtype, shape, block, hadamard in (("bfloat16", (2, 129, 3, 128), None, True), ("float16", (1, 77, 2, 40), 128, False),
                                           ("bfloat16", (1, 300, 1, 256), 128, True), ("float16", (1, 5, 2, 64), 128, False),
-                                          ("float16", (1, 40000, 1, 64), None, False)):  # more blocks than threads
+                                          ("float16", (1, 40000, 1, 64), None, False),  # more blocks than threads
+                                          ("bfloat16", (2, 200, 3, 128), 128, False), ("float16", (1, 131, 2, 256), None, False)):
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
         x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=3)
         print("quantize_fp8", dtype, shape, block, hadamard, "ran; descale", tuple(descale.shape), "max", float(descale.max()))
