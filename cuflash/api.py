@@ -533,16 +533,21 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
         _check_descale(infos["q_descale"], problem.batch, problem.nheads, problem.seqlen_q)
         for name in ("k_descale", "v_descale"):
             _check_descale(infos[name], problem.batch, problem.nheads_kv, problem.seqlen_k)
-        outputs = dict(out=(infos["q8"].shape, dtype))
-        if return_lse:
-            outputs["lse"] = ((problem.batch, problem.nheads, problem.seqlen_q), "float32")
-        return problem, outputs
+        return problem, _fp8_outputs(problem)
 
     inputs = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     signature = dispatch.call_signature("attention_fp8_forward", named,
                                         (*features, out_dtype, backend, return_lse))
     results = dispatch.run_checked(signature, inputs, check)
     return tuple(results) if return_lse else results[0]
+
+
+def _fp8_outputs(problem: Problem) -> dict:
+    """The outputs of an FP8 attention problem: out (q's shape, out_dtype), and lse where with_lse."""
+    outputs = dict(out=((problem.batch, problem.seqlen_q, problem.nheads, problem.headdim), problem.out_dtype))
+    if problem.with_lse:
+        outputs["lse"] = ((problem.batch, problem.nheads, problem.seqlen_q), "float32")
+    return outputs
 
 
 def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard):
@@ -566,10 +571,7 @@ def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return
         # Without the LSE the kernel may normalise by the sums of P as rounded to e4m3 (as attention_fp8).
         problem = dataclasses.replace(problem, out_dtype=dtype, with_lse=return_lse, fp8_block=FP8_BLOCK,
                                       hadamard_seed=_FP8_SEED if hadamard else None)
-        outputs = dict(out=(infos["q"].shape, dtype))
-        if return_lse:
-            outputs["lse"] = ((problem.batch, problem.nheads, problem.seqlen_q), "float32")
-        return problem, outputs
+        return problem, _fp8_outputs(problem)
 
     signature = dispatch.call_signature("attention_quantized_forward", named,
                                         (causal, softmax_scale, window, softcap, backend, hadamard, return_lse))

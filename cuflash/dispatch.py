@@ -233,17 +233,13 @@ def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
             ins["cu_seqlens_q"], ins["cu_seqlens_k"], **f)
     elif op == "backward_preprocess":
         outs["delta"][...] = reference.backward_preprocess(ins["dout"], ins["out"])
-    elif op == "attention_fp8_forward":
-        out, lse = reference.attention_fp8(ins["q"], ins["k"], ins["v"], ins["q_descale"], ins["k_descale"],
-                                           ins["v_descale"], causal=f["causal"], window=f["window"],
-                                           softmax_scale=f["softmax_scale"])
-        outs["out"][...] = out
-        if problem.with_lse:
-            outs["lse"][...] = lse
-    elif op == "attention_quantized_forward":
-        out, lse = reference.attention_quantized(ins["q"], ins["k"], ins["v"], problem.hadamard_seed,
-                                                 causal=f["causal"], window=f["window"],
-                                                 softmax_scale=f["softmax_scale"])
+    elif op in ("attention_fp8_forward", "attention_quantized_forward"):
+        kw = dict(causal=f["causal"], window=f["window"], softmax_scale=f["softmax_scale"])
+        if op == "attention_fp8_forward":
+            out, lse = reference.attention_fp8(ins["q"], ins["k"], ins["v"], ins["q_descale"], ins["k_descale"],
+                                               ins["v_descale"], **kw)
+        else:
+            out, lse = reference.attention_quantized(ins["q"], ins["k"], ins["v"], problem.hadamard_seed, **kw)
         outs["out"][...] = out
         if problem.with_lse:
             outs["lse"][...] = lse

@@ -65,14 +65,16 @@ def _plain_fp8(q, k, v, kw, out_dtype):
     return out.transpose(1, 2).to(out_dtype)
 
 
-def _problem(q8, k8, kw, out_dtype, with_lse=True):
+def _problem(q8, k8, kw, out_dtype, with_lse=True, **fields):
+    """The attention_fp8_forward Problem of q8 and k8 (`fields` replace any, e.g. op and dtype)."""
     left, right = reference.window_bounds(kw["causal"], kw["window"])
     scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(q8.shape[-1])
-    return Problem(op="attention_fp8_forward", framework="torch", device=arrays.Device("cuda", q8.device.index or 0),
-                   dtype="float8_e4m3fn", batch=q8.shape[0], seqlen_q=q8.shape[1], seqlen_k=k8.shape[1],
-                   nheads=q8.shape[2], nheads_kv=k8.shape[2], headdim=q8.shape[-1], causal=kw["causal"],
-                   window_left=left, window_right=right, softmax_scale=scale, softcap=0.0, backend="sm90",
-                   out_dtype=str(out_dtype).removeprefix("torch."), with_lse=with_lse)
+    return Problem(**{**dict(op="attention_fp8_forward", framework="torch",
+                             device=arrays.Device("cuda", q8.device.index or 0), dtype="float8_e4m3fn",
+                             batch=q8.shape[0], seqlen_q=q8.shape[1], seqlen_k=k8.shape[1], nheads=q8.shape[2],
+                             nheads_kv=k8.shape[2], headdim=q8.shape[-1], causal=kw["causal"], window_left=left,
+                             window_right=right, softmax_scale=scale, softcap=0.0, backend="sm90",
+                             out_dtype=str(out_dtype).removeprefix("torch."), with_lse=with_lse), **fields})
 
 
 def _check(out, lse, quantized, kw):
@@ -236,13 +238,9 @@ def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch
                for s, h in ((seqlen_q, nheads), (seqlen_k, nheads_kv), (seqlen_k, nheads_kv)))
     k[:, ::7] *= 4
     v[:, 1::5] *= 3
-    left, right = reference.window_bounds(kw["causal"], kw["window"])
-    scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(headdim)
-    problem = Problem(op="attention_quantized_forward", framework="torch", device=arrays.Device("cuda", 0),
-                      dtype=str(dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                      nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, causal=kw["causal"], window_left=left,
-                      window_right=right, softmax_scale=scale, backend="sm90", out_dtype=str(dtype).removeprefix("torch."),
-                      fp8_block=reference.FP8_BLOCK, hadamard_seed=0 if hadamard else None, with_lse=with_lse)
+    problem = _problem(q, k, kw, dtype, with_lse, op="attention_quantized_forward",
+                       dtype=str(dtype).removeprefix("torch."), fp8_block=reference.FP8_BLOCK,
+                       hadamard_seed=0 if hadamard else None)
     inputs = dict(q=q, k=k, v=v)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
     workspace = {}

@@ -427,7 +427,7 @@ def select(problem, inputs) -> FwdSm90Variant:
     return variant
 
 
-def _fp8_forced_row(headdim: int) -> tuple[int, int, int, str, str, bool] | None:
+def fp8_forced_row(headdim: int) -> tuple[int, int, int, str, str, bool] | None:
     """The row fp8_tiles_override forces at this compiled head dim (benchmarks, tests), or None."""
     return fp8_tiles_override.get(headdim) if fp8_tiles_override else None
 
@@ -437,7 +437,7 @@ def fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where the
     V^T kernel's grid (a block row per kv head and batch) cannot hold the problem."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    forced = _fp8_forced_row(headdim)
+    forced = fp8_forced_row(headdim)
     if forced is not None:
         return forced
     rows = FP8_TILES[headdim]
@@ -489,7 +489,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
     # there (a forced wide row keeps the fp32 sums).
     sums_wanted = not problem.with_lse and headdim in FP8_TENSOR_ROW_SUMS
-    if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and _fp8_forced_row(headdim) is None
+    if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and fp8_forced_row(headdim) is None
             and not sums_wanted):
         tiles = FP8_PER_HEAD_TILES[headdim]
     sums = not problem.with_lse and tensor_row_sums_fit(headdim, tiles)

@@ -126,6 +126,11 @@ def check_items(batch: int, nheads: int, seqlen: int) -> None:
                          f"ceil(seqlen / {reference.FP8_BLOCK}) ({nheads} x {blocks}) at most {MAX_ITEMS}")
 
 
+def _items_grid(batch: int, nheads: int, seqlen: int) -> tuple[int, int]:
+    """The grid of a pass over x (either kernel): ITEMS_PER_CTA (block, head) items a CTA, batch on y."""
+    return -(-reference.fp8_blocks(seqlen) * nheads // ITEMS_PER_CTA), batch
+
+
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
     writes the arrays' addresses in."""
@@ -144,7 +149,7 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
                   nheads=problem.nheads, headdim=problem.headdim)
     for name, x in (("x", inputs["x"]), ("x8", x8)):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
-    items = (-(-blocks * problem.nheads // ITEMS_PER_CTA), problem.batch)  # the grid of the passes over x
+    items = _items_grid(problem.batch, problem.nheads, problem.seqlen_q)
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     launches = [(PARAMS.template(**fields, **{"pass": p}), grid) for p, grid in passes]
@@ -175,7 +180,7 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, batch: i
     template = PARAMS.template(seqlen=seqlen, nheads=nheads, headdim=headdim, x_stride_b=v.strides[0],
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
                                x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], **{"pass": BLOCK_SCALES})
-    grid, block_dim = (-(-blocks * nheads // ITEMS_PER_CTA), batch), (threads(variant.headdim),)
+    grid, block_dim = _items_grid(batch, nheads, seqlen), (threads(variant.headdim),)
 
     def launch(v, vt, descale, stream) -> None:
         params = bytearray(template)

@@ -42,7 +42,7 @@ def _tiles(problem) -> tuple[int, int, int, str, str, bool]:
     at 128, 2k, where the head dim's own V^T-beforehand row of FP8_TILES was 0-9% slower."""
     fp8 = _fp8_problem(problem)
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
-    forced = fwd_sm90.fp8_tiles_override.get(headdim) if fwd_sm90.fp8_tiles_override else None
+    forced = fwd_sm90.fp8_forced_row(headdim)
     return forced if forced is not None else (*fwd_sm90.fp8_tiles(fp8)[:5], True)
 
 
@@ -94,7 +94,8 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
     quantize_fp8.prepare_transposed, fwd_sm90.prepare), run one after the other on the stream."""
     index = problem.device.index
     launches = []
-    for name in ("q", "k"):
+    # quantize_fp8 on q, k, and v too where the row transposes V in the kernel (a forced row)
+    for name in ("q", "k") if variant.v_pretransposed else ("q", "k", "v"):
         quantize_problem = _quantize_problem(problem, name)
         quantizer = quantize_fp8.select(quantize_problem, {"x": inputs[name]})
         launch = quantize_fp8.prepare(quantizer, jit.get_function(quantizer, index), quantize_problem,
@@ -109,12 +110,6 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
                                                    outputs["v_transposed"])
         launches.append(lambda inputs, outputs, stream:
                         launch_v(inputs["v"], outputs["v_transposed"], outputs["v_descale"], stream))
-    else:
-        quantize_problem = _quantize_problem(problem, "v")
-        quantizer = quantize_fp8.select(quantize_problem, {"x": inputs["v"]})
-        launch_v8 = quantize_fp8.prepare(quantizer, jit.get_function(quantizer, index), quantize_problem,
-                                         {"x": inputs["v"]}, _quantized(outputs, "v"))
-        launches.append(lambda inputs, outputs, stream: launch_v8({"x": inputs["v"]}, _quantized(outputs, "v"), stream))
     attention = fwd_sm90.prepare(variant, function, _fp8_problem(problem), _attention_inputs(outputs),
                                  outputs, v_transposed_given=True)
     launches.append(lambda inputs, outputs, stream: attention(_attention_inputs(outputs), outputs, stream))
