@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from . import arrays, kernels, reference
+from .kernels.forward import heads_as_rows, query_heads_as_rows
 from .problem import Problem
 
 # Why a family declined a call (and which one ran) goes to DEBUG: the fallback from fwd_sm90 to
@@ -168,7 +169,15 @@ def plan(problem: Problem, device_inputs: dict[str, arrays.DeviceArray]):
 def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
              device_outputs: dict[str, arrays.DeviceArray]):
     """`plan`'s kernel, loaded (compiled on first use), as a function (inputs, outputs, stream) of
-    arrays laid out as these (Family.prepare): remembered per plan and outputs' strides."""
+    arrays laid out as these (Family.prepare): remembered per plan and outputs' strides. A decode
+    step with GQA runs as its kv heads' query heads in rows (kernels.forward.query_heads_as_rows)."""
+    as_rows = query_heads_as_rows(problem)
+    if as_rows is not None:
+        group = problem.nheads // problem.nheads_kv
+        launch_rows = launcher(as_rows, heads_as_rows(device_inputs, group), heads_as_rows(device_outputs, group))
+        return lambda inputs, outputs, stream: launch_rows(heads_as_rows(inputs, group), heads_as_rows(outputs, group),
+                                                           stream)
+
     def make():
         import cupy
 

@@ -2,6 +2,7 @@
 import math
 import random
 
+import numpy as np
 import pytest
 
 from cuflash import arrays
@@ -240,3 +241,62 @@ def test_fwd_sm90_windows_only_the_last_wave_below_the_window_key_count(monkeypa
         orders.append((int(p["window_pair0"]), int(p["window_heads"])))
     # 32 pairs of 16 row blocks: 9 pairs make a wave of 132 CTAs; 16 is the least divisor from 9
     assert orders == [(32 - 9, 9), (0, 16)]
+
+
+def _view(buffer, x):
+    """The NumPy view of `buffer` that DeviceArray x (ptr: an element offset) describes."""
+    item = buffer.itemsize
+    last = x.ptr + sum((n - 1) * s for n, s in zip(x.shape, x.strides))
+    assert min(x.strides) >= 0 and last < buffer.size, "the view reaches outside the array"
+    return np.lib.stride_tricks.as_strided(buffer[x.ptr:], x.shape, tuple(s * item for s in x.strides))
+
+
+@pytest.mark.parametrize("causal, window, softcap, seqlen_k", [
+    (False, (-1, -1), 0.0, 37), (True, (-1, -1), 0.0, 37), (False, (36, 0), 0.0, 37), (False, (-1, 5), 5.0, 37),
+    (True, (-1, -1), 0.0, 0)])
+@pytest.mark.parametrize("q_layout", ["contiguous", "heads_first"])
+def test_decode_gqa_as_rows_of_kv_heads_is_the_same_attention(causal, window, softcap, seqlen_k, q_layout):
+    """query_heads_as_rows' problem on heads_as_rows' views of the same memory gives the call's out
+    and lse (the NumPy reference on both): query head kv * group + g is row g of kv head kv."""
+    from cuflash import reference
+
+    rng = np.random.default_rng(0)
+    batch, nheads, nheads_kv, headdim = 2, 12, 3, 16
+    group = nheads // nheads_kv
+    window = (window[0], 0) if causal else window
+    problem = _problem(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv,
+                       headdim=headdim, causal=causal, window_left=window[0], window_right=window[1],
+                       softcap=softcap)
+    rows = forward.query_heads_as_rows(problem)
+    assert (rows.seqlen_q, rows.nheads, rows.nheads_kv) == (group, nheads_kv, nheads_kv)
+    assert (rows.causal, rows.window_left, rows.window_right, rows.softcap) == (False, -1, -1, softcap)
+    # q with heads outermost (a transposed (batch, nheads, 1, headdim) array), or contiguous
+    q_shape = (batch, 1, nheads, headdim)
+    q_strides = (headdim, headdim, batch * headdim, 1) if q_layout == "heads_first" else arrays.contiguous_strides(q_shape)
+    q_buffer = rng.standard_normal(batch * nheads * headdim)
+    k, v = rng.standard_normal((2, batch, seqlen_k, nheads_kv, headdim))
+    out_shape, lse_shape = q_shape, (batch, nheads, 1)
+    device = dict(q=arrays.DeviceArray(0, q_shape, q_strides),
+                  out=arrays.DeviceArray(0, out_shape, arrays.contiguous_strides(out_shape)),
+                  lse=arrays.DeviceArray(0, lse_shape, arrays.contiguous_strides(lse_shape)))
+    out_buffer, lse_buffer = np.full(batch * nheads * headdim, np.nan), np.full(batch * nheads, np.nan)
+    features = dict(softmax_scale=problem.softmax_scale, softcap=softcap)
+    want_out, want_lse = reference.forward(_view(q_buffer, device["q"]), k, v, causal=causal, window=window, **features)
+    viewed = forward.heads_as_rows(device, group)
+    assert viewed["q"].shape == (batch, group, nheads_kv, headdim) and viewed["lse"].shape == (batch, nheads_kv, group)
+    got_out, got_lse = reference.forward(_view(q_buffer, viewed["q"]), k, v, causal=rows.causal,
+                                         window=(rows.window_left, rows.window_right), **features)
+    _view(out_buffer, viewed["out"])[...] = got_out
+    _view(lse_buffer, viewed["lse"])[...] = got_lse
+    np.testing.assert_allclose(_view(out_buffer, device["out"]), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_view(lse_buffer, device["lse"]), want_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("change", [dict(seqlen_q=2), dict(nheads=3, nheads_kv=3), dict(window_left=35),
+                                    dict(op="attention_varlen_forward"), dict(op="attention_fp8_forward"),
+                                    dict(op="attention_backward")])
+def test_decode_gqa_as_rows_only_where_every_query_head_sees_every_key(change):
+    base = dict(seqlen_q=1, seqlen_k=37, nheads=12, nheads_kv=3)
+    assert forward.query_heads_as_rows(_problem(**base)) is not None
+    assert forward.query_heads_as_rows(_problem(**{**base, "window_left": 36})) is not None  # sees key 0 still
+    assert forward.query_heads_as_rows(_problem(**{**base, **change})) is None

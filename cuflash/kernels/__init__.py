@@ -15,6 +15,8 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
+from .forward import query_heads_as_rows
+
 # C++ spelling of each element type, as cuda_src/common/types.cuh defines it.
 CXX_TYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
 SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
@@ -224,10 +226,12 @@ def families_for(op: str, backend: str | None = None) -> list[Family]:
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The scratch buffers any family that may serve `problem` needs (Family.workspace); none for a
-    problem on the CPU, which the reference serves (JAX would otherwise allocate them there)."""
+    """The scratch buffers any family that may serve `problem` needs (Family.workspace), of the
+    problem its kernels run (a decode step with GQA: kernels.forward.query_heads_as_rows); none for
+    a problem on the CPU, which the reference serves (JAX would otherwise allocate them there)."""
     if not problem.device.is_cuda:
         return {}
+    problem = query_heads_as_rows(problem) or problem  # as dispatch's launcher plans it
     buffers: dict[str, tuple] = {}
     for family in families_for(problem.op, problem.backend):
         for name, spec in (family.workspace(problem) if family.workspace else {}).items():

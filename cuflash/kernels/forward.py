@@ -3,6 +3,7 @@ same way: element size and head-dim granularity, strides, the window bounds and 
 and the names their parameter structs give them."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
@@ -65,3 +66,44 @@ def softmax_constants(problem) -> tuple[float, float, float]:
     if softcap:
         return LOG2E, 2 * LOG2E * problem.softmax_scale / softcap, softcap
     return problem.softmax_scale * LOG2E, 0.0, 0.0
+
+
+def query_heads_as_rows(problem):
+    """A decode step with GQA as the kernels run it: the Problem with each kv head's `group` query
+    heads as its query rows (nheads_kv heads of `group` rows), or None where that does not apply.
+
+    With one query row every query head of a kv head reads the same keys, but as heads of their own
+    each takes a tile of its own, which streams that kv head's K and V again (from L2 at best): a
+    decode step with 4 query heads a kv head ran 2-8x slower than cuDNN's (H100,
+    benchmarks/NOTES-sm90.md, "Decode shapes"). As rows of one tile they are loaded once. The rows
+    of the view sit at different query positions, so it applies only where the one query row sees
+    every key, as all of them then do: no left window bound inside the keys (a right bound or a
+    causal mask hides no key from the last query row). q and out (batch, 1, nheads, headdim) are
+    read as (batch, group, nheads_kv, headdim), lse (batch, nheads, 1) as (batch, nheads_kv, group):
+    the same memory (heads_as_rows)."""
+    group = problem.nheads // max(problem.nheads_kv, 1)
+    if (problem.op != "attention_forward" or problem.seqlen_q != 1 or group == 1
+            or 0 <= problem.window_left < problem.seqlen_k - 1):
+        return None
+    return dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_kv, causal=False, window_left=-1,
+                               window_right=-1)
+
+
+def heads_as_rows(arrays: dict, group: int) -> dict:
+    """`arrays` (DeviceArrays of an attention_forward call: q, k, v, out, lse, any of them) as
+    query_heads_as_rows' problem reads them: q and out (batch, 1, nheads, d) as (batch, group,
+    nheads // group, d), lse (batch, nheads, 1) as (batch, nheads // group, group). Query head
+    kv * group + g is row g of head kv; k and v are as they were."""
+    viewed = dict(arrays)
+    for name in ("q", "out"):
+        if name in arrays:
+            x = arrays[name]
+            (batch, _, nheads, headdim), (stride_b, _, stride_h, stride_d) = x.shape, x.strides
+            viewed[name] = type(x)(x.ptr, (batch, group, nheads // group, headdim),
+                                   (stride_b, stride_h, group * stride_h, stride_d))
+    if "lse" in arrays:
+        x = arrays["lse"]
+        (batch, nheads, _), (stride_b, stride_h, _) = x.shape, x.strides
+        assert stride_h == 1, "the kernels write a head's lse rows contiguously (outputs are allocated so)"
+        viewed["lse"] = type(x)(x.ptr, (batch, nheads // group, group), (stride_b, group * stride_h, stride_h))
+    return viewed
