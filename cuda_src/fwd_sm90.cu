@@ -101,6 +101,12 @@ struct FwdSm90Params {
   int window_heads, window_tiles;
   FastDivisor window_heads_div, window_tiles_div;
   int window_pair0;
+  // kSplitKV: each (batch, head, row block) is num_splits tiles, split s taking key blocks
+  // [s * split_blocks, (s + 1) * split_blocks) (tile_at); out and lse are then the float32 partials
+  // of (batch, split) pairs, b * num_splits + s in the batch strides. In what was padding before
+  // o_map, so that no field moved.
+  int num_splits, split_blocks;
+  FastDivisor splits_div;
   // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
   // rows, for the epilogue's TMA stores (varlen: unused). Last (its 64-byte alignment pads the
   // struct), so that no field before it moved.
@@ -125,7 +131,8 @@ enum Schedule : int { kScheduleOverlap = 0, kScheduleOverlapPV = 1, kScheduleSer
 // unstaged: its O is zero, and that slot another tile's); Q's tile (when neither fits; Q is then
 // released only after the stores, and the next tile's Q loads after the epilogue); or nowhere:
 // stored straight from the accumulators, a quad writing 16 contiguous bytes of a row (e4m3 at head
-// dim 256, where the 16-bit O is twice Q's size and the V staging slots take the room).
+// dim 256, where the 16-bit O is twice Q's size and the V staging slots take the room; and
+// kSplitKV's float32 partials, a quad writing 32 bytes).
 enum OStage : int { kOStageOwn = 0, kOStageInQ = 1, kOStageDirect = 2, kOStageInV = 3 };
 
 // e4m3 (FP8): both wgmma operands must be K-major, and for O += P V the K dimension is the keys,
@@ -185,9 +192,17 @@ struct Tile {
 // window: fwd_sm90.py, TILE_WINDOW_MIN_KEYS). A window's heads run together, as a head's row blocks
 // do; below 2k keys, where that holds more K and V than L2 keeps, only the last wave's worth of
 // heads goes in a window (the draw's balance is decided by its last tiles).
-template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked>
+// kSplitKV (unmasked, dense): a tile's num_splits parts are consecutive indices, each with its
+// share of the key blocks.
+template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked, bool kSplitKV>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
+  int split = 0;
+  if constexpr (kSplitKV) {
+    const int whole = fast_div(index, p.splits_div);
+    split = index - whole * p.num_splits;
+    index = whole;
+  }
   int hb, from_last;  // the (batch, head) pair, and the row block counted from the sequence's end
   const int windowed = kMasked ? p.window_pair0 * p.blocks_m : 0;  // the first tile in a window
   if (kMasked && index >= windowed) {
@@ -212,6 +227,11 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   }
   t.m0 = t.seqlen_q - (from_last + 1) * kBlockM;
   t.kb = key_blocks<kBlockN>(t.m0, kBlockM, t.seqlen_q, t.seqlen_k, p.window_left, p.window_right);
+  if constexpr (kSplitKV) {
+    const int lo = split * p.split_blocks;
+    t.kb.n_min = max(t.kb.n_min, lo);
+    t.kb.n_max = max(t.kb.n_min, min(t.kb.n_max, lo + p.split_blocks));
+  }
   return t;
 }
 
@@ -252,7 +272,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
-          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers>
+          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -338,8 +358,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
                 "e4m3: 128-key blocks, or whole k32 steps with V^T written beforehand");
   static_assert(!kFp8 || (!kVarlen && !kSoftcap), "e4m3: dense, no softcap");
   static_assert(kFp8 || !kVPreTransposed, "16-bit V is read MN-major as it is");
-  static_assert(kFp8 ? kOStage == kOStageOwn || kOStage == kOStageDirect : kOStage != kOStageDirect,
+  static_assert(kFp8 || kSplitKV ? kOStage == kOStageOwn || kOStage == kOStageDirect : kOStage != kOStageDirect,
                 "16-bit O is staged; e4m3's O outsizes Q and its V^T slot");
+  // Split-KV: a decode step's few (batch, head) pairs spread over the SMs by their key blocks, each
+  // part writing its O (normalised) and LSE as float32 partials that a second kernel merges
+  // (cuda_src/combine_splits.cu). Unmasked and dense: every row of a part sees all its keys.
+  static_assert(!kSplitKV || (!kVarlen && !kMasked && !kTensorRowSums && kOStage == kOStageDirect),
+                "split-KV: dense, unmasked, with the LSE, its float32 partials stored straight");
   static_assert(kOStage != kOStageInV || kBlockN >= kBlockM, "O staged in a V slot fits there");
   static_assert(kStages >= 1, "at least one K/V slot");
   static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");
@@ -459,7 +484,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           mbarrier_arrive_warp(q_empty(q_buffer));
           if (index >= p.num_tiles) break;
           progress = (progress & ~3u) | ((progress + 1) & 3u);
-          const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index);
+          const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked, kSplitKV>(p, index);
           progress += static_cast<unsigned>(max(t.kb.n_max - t.kb.n_min, 0)) * kBlockOne;
 #pragma unroll 1
           for (; progress >= kBlockOne; progress -= kBlockOne) {  // the blocks, as the producer loads them
@@ -538,7 +563,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         if (leader) publish(index, q_buffer, 0);
         break;
       }
-      const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index);
+      const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked, kSplitKV>(p, index);
       if (t.kb.n_max <= t.kb.n_min) {
         if (leader) publish(index, q_buffer, 0);
         index = next_tile();
@@ -595,7 +620,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       // 39). Dense only: varlen's sequence bounds would not fit the producer's registers.
       if constexpr (kQBuffers == 1 && !kVarlen) {
         if (leader && index < p.num_tiles) {
-          const Tile tn = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index);
+          const Tile tn = tile_at<kBlockM, kBlockN, kVarlen, kMasked, kSplitKV>(p, index);
 #pragma unroll
           for (int a = 0; a < kAtoms; ++a) tma_prefetch_4d(&p.q_map, a * kAtomElems, tn.h, tn.m0, tn.b);
         }
@@ -692,7 +717,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       }
     }
     progress = kQBuffers == 2 ? (progress & ~3u) | ((progress + 1) & 3u) : progress ^ 1u;
-    const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index);
+    const Tile t = tile_at<kBlockM, kBlockN, kVarlen, kMasked, kSplitKV>(p, index);
     if (t.m0 + kBlockM <= 0) {  // a varlen sequence shorter than the longest: nothing to do
       mbarrier_arrive_warp(q_empty(q_buffer()));
       continue;
@@ -971,13 +996,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // addresses are formed here from opaque copies of the thread and tile indices: otherwise the
     // compiler hoists them out of the tile loop and, at head dim 256, spills them across the main loop.
     const int index_again = opaque(index);
-    const Tile te = tile_at<kBlockM, kBlockN, kVarlen, kMasked>(p, index_again);
+    const Tile te = tile_at<kBlockM, kBlockN, kVarlen, kMasked, kSplitKV>(p, index_again);
     const unsigned et = static_cast<unsigned>(opaque(tid));
     const unsigned e_lane = et % 32, e_row = 16 * (et % 128 / 32) + e_lane / 4;
     const int e_wg = static_cast<int>(et / 128) - 1;
     TOut* o_base =
         static_cast<TOut*>(p.out) + (kVarlen ? te.q_row0 * p.o_stride_s : te.b * p.o_stride_b) + te.h * p.o_stride_h;
-    float* lse_base = p.lse + (kVarlen ? te.q_row0 : te.b * p.lse_stride_b) + te.h * p.lse_stride_h;
+    // kSplitKV: out and lse are the partials, of (batch, split) pairs as one batch index (the split
+    // is the index's remainder: tile_at).
+    const int o_batch = kSplitKV ? te.b * p.num_splits + index_again % p.num_splits : te.b;
+    float* lse_base = p.lse + (kVarlen ? te.q_row0 : o_batch * p.lse_stride_b) + te.h * p.lse_stride_h;
     // e4m3 calls without the LSE pass none (and kTensorRowSums' sums would not make it).
     const bool write_lse = !kTensorRowSums && (!kFp8 || p.lse != nullptr);
     // kOStageInV: the V slot of the tile's last block, once every consumer's P V has read it.
@@ -987,10 +1015,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     // O / rowsum in 16 bits, packed before the waits below (kOStageInV: for the other consumers' last
     // P V), so that only the stores are left after them; O's registers are free from here on.
     unsigned packed[2][kHeadDim / 8];  // this thread's rows e_row and e_row + 8, columns 8 nt + 2 (e_lane % 4)
+    float split_inv[2];                // kSplitKV: O is stored times these in float32 instead
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float total = kTensorRowSums ? o[kOAcc + 2 * hf] : quad_sum(row_sum[hf]);
       const float inv = total > 0.f ? o_descale / total : 0.f;
+      if constexpr (kSplitKV) split_inv[hf] = inv;
 #pragma unroll
       for (int nt = 0; nt < kHeadDim / 8; ++nt) {
         packed[hf][nt] = pack2<TOut>(o[4 * nt + 2 * hf] * inv, o[4 * nt + 2 * hf + 1] * inv);
@@ -1020,7 +1050,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         for (int nt = 0; nt < kHeadDim / 8; ++nt) {
           const int col = 8 * nt + 2 * static_cast<int>(e_lane % 4);
           if (te.has_row(row) && col < p.headdim) {  // the head dim is even: col + 1 is in too
-            *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed[hf][nt];
+            if constexpr (kSplitKV) {
+              float* partial = static_cast<float*>(p.out) + o_batch * p.o_stride_b + te.h * p.o_stride_h;
+              *reinterpret_cast<float2*>(partial + row * p.o_stride_s + col) =
+                  make_float2(o[4 * nt + 2 * hf] * split_inv[hf], o[4 * nt + 2 * hf + 1] * split_inv[hf]);
+            } else {
+              *reinterpret_cast<unsigned*>(o_base + row * p.o_stride_s + col) = packed[hf][nt];
+            }
           }
         }
       }

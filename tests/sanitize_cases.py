@@ -26,7 +26,11 @@ CASES = (("bfloat16", 200, 333, 4, 2, 128, dict(causal=True)), ("float16", 77, 5
          # schedule's row, O staged in the last V slot), 80-key blocks; and tiles without key blocks
          # there (their O zero, not staged)
          ("bfloat16", 300, 2100, 4, 2, 128, dict(causal=True)), ("bfloat16", 300, 4200, 4, 2, 128, {}),
-         ("bfloat16", 300, 700, 8, 2, 256, dict(causal=True)), ("bfloat16", 700, 100, 4, 2, 256, dict(causal=True)))
+         ("bfloat16", 300, 700, 8, 2, 256, dict(causal=True)), ("bfloat16", 700, 100, 4, 2, 256, dict(causal=True)),
+         # decode steps: GQA's query heads as rows of their kv head, and (fwd_sm90, few tiles) split-KV
+         # with float32 partials merged by combine_splits; the small unmasked cases above split too
+         ("bfloat16", 1, 5000, 16, 4, 128, dict(causal=True)), ("float16", 1, 700, 8, 1, 256, {}),
+         ("bfloat16", 5, 3000, 2, 2, 64, dict(softcap=5.0)))
 BACKENDS = ["sm80"] + (["sm90"] if cp.cuda.Device().compute_capability == "90" else [])
 for backend in BACKENDS:
     for dtype, sq, sk, h, hkv, d, kw in CASES:

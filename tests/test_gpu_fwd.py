@@ -158,10 +158,12 @@ def test_sm90_every_tile_row_matches_reference(headdim, seqlen_k, tiles, overrid
                                                request):
     from cuflash.kernels import fwd_sm90
 
-    if override:  # and no plan made with the table (or, afterwards, with the override) is reused
+    # The rows themselves: these few tiles would otherwise run split-KV (test_sm90_split_kv_matches_reference).
+    monkeypatch.setattr(fwd_sm90, "kv_splits", lambda problem: 1)
+    dispatch.clear_plans()  # and no plan made with the table (or, afterwards, with the override) is reused
+    request.addfinalizer(dispatch.clear_plans)
+    if override:
         monkeypatch.setattr(fwd_sm90, "tiles_override", {headdim: tiles})
-        dispatch.clear_plans()
-        request.addfinalizer(dispatch.clear_plans)
     g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
     seqlen_q = 300 if causal else 200  # causal: bottom-right aligned, the rows see the last keys
     q = torch.randn(1, seqlen_q, 4, headdim, device="cuda", generator=g).to(torch.bfloat16)
@@ -321,6 +323,99 @@ def test_unaligned_strides_are_refused_by_name():
     odd = torch.randn(1, 64, 2, 65, device="cuda", dtype=torch.float16)[..., :64]
     with pytest.raises(NotImplementedError, match="16-byte"):
         cuflash.attention(odd, odd, odd)
+
+
+@BACKENDS
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("batch, group, seqlen_k, layout", [(1, 4, 4100, "contiguous"), (3, 8, 333, "bhsd"),
+                                                            (2, 2, 1, "padded"), (2, 16, 2049, "contiguous")])
+@pytest.mark.parametrize("kw", [dict(causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None),
+                                dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None),
+                                dict(causal=False, window=(-1, 3), softcap=20.0, softmax_scale=0.3)])
+def test_decode_gqa_runs_query_heads_as_rows_and_matches_reference(backend, headdim, batch, group, seqlen_k, layout,
+                                                                  kw):
+    """A decode step with GQA (one query row) runs with each kv head's query heads as the rows of
+    one head (kernels.forward.query_heads_as_rows: dispatch plans that problem) on views of q, out
+    and lse, and gives the reference's results, poisoned outputs, bit for bit again."""
+    nheads_kv = 2
+    g = torch.Generator(device="cuda").manual_seed(batch * group + seqlen_k)
+    q = _strided((batch, 1, nheads_kv * group, headdim), torch.bfloat16, layout, g)
+    k, v = (_strided((batch, seqlen_k, nheads_kv, headdim), torch.bfloat16, layout, g) for _ in range(2))
+    problem = _problem("attention_forward", q, k, backend, **kw)
+    dispatch.clear_plans()
+    inputs = dict(q=q, k=k, v=v)
+    lse_shape = (batch, nheads_kv * group, 1)
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    planned = [p for p, _ in dispatch._plans]
+    assert [(p.seqlen_q, p.nheads, p.causal) for p in planned] == [(group, nheads_kv, False)], planned
+    _check(out, lse, q, k, v, kw)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, softcap", [
+    (1, 1, 40000, 8, 8, 0.0), (1, 300, 5000, 2, 1, 0.0), (2, 7, 1777, 4, 2, 30.0), (3, 1, 2000, 8, 2, 0.0)])
+def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, softcap):
+    """Problems with fewer tiles than SMs run split-KV (fwd_sm90.kv_splits parts, float32 partials in a
+    poisoned workspace, combine_splits), and give the reference's results, bit for bit again; the same
+    problem under a causal mask runs unsplit."""
+    from cuflash.kernels import fwd_sm90, forward
+
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    kw = dict(causal=False, window=(-1, -1), softcap=softcap, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, "sm90", **kw)
+    planned = forward.query_heads_as_rows(problem) or problem
+    assert fwd_sm90.kv_splits(planned) > 1
+    dispatch.clear_plans()
+    inputs = dict(q=q, k=k, v=v)
+    lse_shape = (batch, nheads, seqlen_q)
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert [variant.split_kv for _, variant in dispatch._plans.values()] == [True]
+    _check(out, lse, q, k, v, kw)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+    if seqlen_q > 1:  # (one query row sees every key under a causal mask: still split)
+        causal = dict(kw, causal=True)
+        assert fwd_sm90.kv_splits(_problem("attention_forward", q, k, "sm90", **causal)) == 1
+        out, lse = cuflash.attention(q, k, v, causal=True, softcap=softcap, return_lse=True, backend="sm90")
+        _check(out, lse, q, k, v, causal)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
+def test_split_kv_decode_under_jax_vmap_jit_and_torch_graphs():
+    """Split-KV's workspace is declared before JAX's vmap folds the mapped axis into the batch (the
+    launch then takes as many parts as the workspace holds), and is allocated by CUDA graph capture
+    under torch: both give the reference's results."""
+    jax = pytest.importorskip("jax")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    q = torch.randn(3, 1, 1, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 1, 8192, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    to_jax = jax.dlpack.from_dlpack
+    out = jax.jit(jax.vmap(lambda a, b, c: cuflash.attention(a, b, c, causal=True)))(to_jax(q), to_jax(k), to_jax(v))
+    out = torch.from_dlpack(out)
+    for i in range(3):
+        want, lse = cuflash.attention(q[i], k[i], v[i], causal=True, return_lse=True)
+        _check(want, lse, q[i], k[i], v[i], kw)
+        _check(out[i], lse, q[i], k[i], v[i], kw)
+    static = [x[0].clone() for x in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    cuflash.attention(*static, causal=True)  # (compiled and planned before capture)
+    with torch.cuda.graph(graph):
+        captured = cuflash.attention(*static, causal=True, return_lse=True)
+    for i in range(3):
+        for x, src in zip(static, (q, k, v)):
+            x.copy_(src[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(*captured, q[i], k[i], v[i], kw)
 
 
 @BACKENDS

@@ -99,6 +99,19 @@ def test_fp8_v_transpose_kernel_comes_with_the_pretransposed_variants(report):
         assert r["spill_store_bytes"] == 0 and r["local_memory_instructions"] == 0
 
 
+def test_split_kv_variants_come_with_the_combine_kernel(report):
+    """fwd_sm90's split-KV variants (float32 partials, stored straight: 8-byte STG) come with
+    combine_splits, which merges them (exponentials on the SFU, 8-byte stores), nothing spilled."""
+    arch, _, rows = report
+    split = [r for r in rows if r["family"] == "fwd_sm90" and "split_kv=True" in r["uri"]]
+    combine = [r for r in rows if r["name_expression"].startswith("cuflash::combine_splits<")]
+    assert bool(split) == bool(combine) == (arch == "sm_90a")
+    for r in split + combine:
+        assert r["sass_opcodes"].get("STG", 0) > 0 and r["spill_store_bytes"] == 0, r["uri"]
+    for r in combine:
+        assert r["sass_opcodes"].get("MUFU", 0) > 0 and r["local_memory_instructions"] == 0, r["sass_opcodes"]
+
+
 def test_fwd_sm90_main_loops_keep_their_counters_uniform(report):
     """The consumers' slot, phase and descriptor arithmetic stays in uniform registers: at most a few
     R2UR between the first and the last wgmma. When ptxas loses the counters' uniformity (it did, for

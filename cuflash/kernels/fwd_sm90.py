@@ -200,7 +200,8 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [("window_heads", np.int32), ("window_tiles", np.int32)]
            + [(f"window_{name}_{part}", t) for name in ("heads", "tiles")
               for part, t in (("mul", np.uint32), ("shift", np.int32))]
-           + [("window_pair0", np.int32), ("padding", (np.void, 20)),
+           + [("window_pair0", np.int32), ("num_splits", np.int32), ("split_blocks", np.int32),
+              ("splits_mul", np.uint32), ("splits_shift", np.int32), ("padding", (np.void, 4)),
               ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
 assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
@@ -228,6 +229,7 @@ class FwdSm90Variant(Variant):
     masked: bool  # compiled for a causal or window mask (mask_fields)
     v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
     tensor_row_sums: bool = False  # e4m3 without the LSE: P V sums P's rows too (FP8_TENSOR_ROW_SUMS)
+    split_kv: bool = False  # tiles split by key blocks into float32 partials, then combine_splits (kv_splits)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -247,6 +249,8 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
+        if self.split_kv and (fp8 or self.varlen or self.masked):
+            raise ValueError("fwd_sm90: split_kv is for dense, unmasked 16-bit attention")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -277,7 +281,9 @@ class FwdSm90Variant(Variant):
         """O is staged in a tile of its own when shared memory has room; otherwise (16 bits) in the
         last key block's V slot where that is as large (block_n >= block_m), so that Q is free for
         the next tile before the epilogue, or else in Q's tile; e4m3's 16-bit O, twice Q's size, is
-        not staged."""
+        not staged; nor are split-KV's float32 partials."""
+        if self.split_kv:
+            return "direct"
         if self._smem_bytes("own") <= SMEM_LIMIT:
             return "own"
         if self.dtype == FP8:
@@ -307,7 +313,8 @@ class FwdSm90Variant(Variant):
                 str(self.block_n), str(self.stages), SYNC_CXX[self.sync], SCHEDULE_CXX[self.schedule],
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
-                cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers))
+                cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers),
+                cxx_bool(self.split_kv))
 
 
 @dataclass(frozen=True)
@@ -341,6 +348,93 @@ class TransposeVFp8Variant(Variant):
         return (str(self.threads),)
 
 
+# The CombineSplitsParams struct (cuda_src/combine_splits.cu), field for field.
+COMBINE_PARAMS = np.dtype([(name, np.uint64) for name in ("o_partial", "lse_partial", "out", "lse")]
+                          + [(f"o_stride_{d}", np.int64) for d in ("b", "s", "h")]
+                          + [("lse_stride_b", np.int64), ("lse_stride_h", np.int64)]
+                          + [(name, np.int32) for name in ("splits", "seqlen_q", "nheads", "headdim", "rows")],
+                          align=True)
+assert COMBINE_PARAMS.itemsize == 96, "keep in step with static_assert(sizeof(CombineSplitsParams) == 96)"
+COMBINE_STRUCT = ParamStruct(COMBINE_PARAMS)
+COMBINE_THREADS = 128  # four query rows a block, a warp each
+
+
+@dataclass(frozen=True)
+class CombineSplitsVariant(Variant):
+    """Split-KV's merge of the float32 partials into out and lse (launched by the split variants' launcher)."""
+
+    family = "fwd_sm90"
+    source = "combine_splits.cu"
+    template = "cuflash::combine_splits"
+
+    out_dtype: str
+    threads: int = COMBINE_THREADS
+
+    def template_args(self) -> tuple[str, ...]:
+        return (CXX_TYPES[self.out_dtype], str(self.threads))
+
+
+# Split-KV (the kernel's kSplitKV): a decode step (a few query rows a head, long keys) has fewer
+# tiles than the GPU has SMs, and each tile streams all its keys on one SM: at batch 1 with 8 kv heads
+# and 32k keys, 8 CTAs (GQA's query heads as rows, kernels.forward.query_heads_as_rows) ran at a
+# sixth of the memory's bandwidth. Split, each tile's key blocks go to kv_splits parts, a tile each,
+# whose float32 partials (the `o_partial`, `lse_partial` workspace) combine_splits merges. The parts
+# are counted for SPLIT_KV_SMS SMs (H100 SXM's and H200's; from the problem alone, as the workspace
+# is declared): the fewest whose waves fill the SMs to within SPLIT_KV_FILL of the best count's,
+# as FlashAttention's num_splits_heuristic counts them; none where the tiles fill 80% of the SMs.
+# A part keeps at least SPLIT_KV_MIN_BLOCKS key blocks and SPLIT_KV_KEYS_PER_ROW keys per query
+# row of its tile, so that its fixed costs (Q's load, the pipeline's fill, the epilogue, and
+# combine_splits' launch) and its partials (8 bytes per row element written and read again, against
+# 4 per key element of K and V) stay small beside its keys. Measured on H100 with only the first
+# rules (CUDA graphs, us, split / whole): decode steps 57.6 / 397 (batch 1, 32k keys, 8 kv heads),
+# 18.6 / 102 (8k keys), and 2k-4k keys with 4 or 2 heads 25 / 38 and 38 / 70; but 1k keys with 8
+# heads at head dim 64 25 / 17 (8 parts of one block), 512 keys at 256 19.5 / 16, and a decode step
+# of 1k keys 16.8 / 14.8: none of which the two rules split (benchmarks/NOTES-sm90.md, "Decode
+# shapes"). The split variants take the head dim's longest-key row of TILES (SOFTCAP_TILES).
+SPLIT_KV_SMS = 132
+SPLIT_KV_MAX = 128
+SPLIT_KV_FILL = 0.95
+SPLIT_KV_MIN_BLOCKS = 4
+SPLIT_KV_KEYS_PER_ROW = 8
+
+
+def kv_splits(problem) -> int:
+    """The parts split-KV cuts each tile's key blocks into (1: no split): for dense, unmasked 16-bit
+    forwards with fewer tiles than 80% of SPLIT_KV_SMS, by the rules above."""
+    if (problem.op != "attention_forward" or problem.dtype not in CXX_TYPES or problem.headdim > HEADDIMS[-1]
+            or problem.window_left >= 0 or problem.window_right >= 0):
+        return 1
+    consumers, block_n = _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0)[:2]
+    block_m = ROWS_PER_CONSUMER * consumers
+    tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
+    blocks = math.ceil(problem.seqlen_k / block_n)
+    most = min(SPLIT_KV_MAX, blocks // SPLIT_KV_MIN_BLOCKS,
+               problem.seqlen_k // (SPLIT_KV_KEYS_PER_ROW * max(min(problem.seqlen_q, block_m), 1)))
+    if tiles == 0 or 5 * tiles >= 4 * SPLIT_KV_SMS or most < 2:
+        return 1
+    fill = {}  # parts -> the fraction of the SMs its waves keep busy
+    for parts in range(1, most + 1):
+        if math.ceil(blocks / math.ceil(blocks / parts)) == parts:  # (else some part would be empty)
+            waves = tiles * parts / SPLIT_KV_SMS
+            fill[parts] = waves / math.ceil(waves)
+    best = max(fill.values())
+    return next(parts for parts, f in fill.items() if f >= SPLIT_KV_FILL * best)
+
+
+def split_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Family.workspace of fwd_sm90: split-KV's float32 partials, (batch, parts, seqlen_q, nheads,
+    headdim) and (batch, parts, nheads, seqlen_q); none without a split."""
+    parts = kv_splits(problem)
+    if parts == 1:
+        return {}
+    b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
+    return {"o_partial": ((b, parts, sq, h, problem.headdim), "float32"), "lse_partial": ((b, parts, h, sq), "float32")}
+
+
+def _split_row(headdim: int, softcap: bool) -> tuple[int, int, int, str, str]:
+    return _rows(headdim, softcap)[-1][1]
+
+
 def _rows(headdim: int, softcap: bool):
     return ((None, SOFTCAP_TILES[headdim]),) if softcap else TILES[headdim]
 
@@ -363,10 +457,18 @@ def mask_choices(table: dict, headdim: int) -> tuple[tuple[bool, bool], ...]:
     return tuple((table[headdim][masked], masked) for masked in (False, True))
 
 
-def variants_for(compute_capability: tuple[int, int]) -> tuple[FwdSm90Variant, ...]:
-    return tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
-                 for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
-                 for _, tiles in _rows(hd, softcap) for mask in mask_choices(PASS_BY, hd))
+def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
+    whole = tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
+                  for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
+                  for _, tiles in _rows(hd, softcap) for mask in mask_choices(PASS_BY, hd))
+    split = tuple(_split_variant(dtype, hd, softcap) for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
+                  for softcap in (False, True))
+    return whole + split + tuple(CombineSplitsVariant(dtype) for dtype in sorted(CXX_TYPES))
+
+
+def _split_variant(dtype: str, headdim: int, softcap: bool) -> FwdSm90Variant:
+    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap, PASS_BY[headdim][False],
+                          False, False, split_kv=True)
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
@@ -408,9 +510,9 @@ def check_loadable(family: str, problem, inputs, names=("q", "k", "v")) -> None:
                              f"got strides {inputs[name].strides}")
 
 
-def check_tile_count(family: str, problem, variant) -> None:
+def check_tile_count(family: str, problem, variant, parts: int = 1) -> None:
     # tile indices run up to num_tiles + gridDim.x (one CTA per SM) in int32
-    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch >= 2**31 - 2**16:
+    if math.ceil(problem.seqlen_q / variant.block_m) * problem.nheads * problem.batch * parts >= 2**31 - 2**16:
         raise ValueError(f"{family} numbers its output tiles with int32: batch * nheads * seqlen_q / block_m is too "
                          "large")
 
@@ -419,6 +521,11 @@ def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("fwd_sm90", problem, inputs)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
+    parts = kv_splits(problem)
+    if parts > 1 and not (tiles_override and headdim in tiles_override):  # (a forced row runs whole)
+        variant = _split_variant(problem.dtype, headdim, problem.softcap > 0)
+        check_tile_count("fwd_sm90", problem, variant, parts)
+        return variant
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
@@ -609,7 +716,10 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     from outputs["v_transposed"]: written from inputs["v"] by a pass the launch runs first, or
     (v_transposed_given: the fwd_quantized_sm90 family's launch, inputs without v) already there."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
-    num_tiles = blocks_m * problem.nheads * problem.batch
+    # Split-KV: as many parts as the workspace holds (declared for the problem before JAX's vmap
+    # folded more into its batch, which only lowers kv_splits' count).
+    parts = outputs["o_partial"].shape[1] if variant.split_kv else 1
+    num_tiles = blocks_m * problem.nheads * problem.batch * parts
     if num_tiles == 0:
         return launch_nothing
     extents = {"q": (problem.nheads, variant.block_m), "k": (problem.nheads_kv, variant.block_n),
@@ -623,11 +733,20 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     o_layout = (map_layout(problem, outputs["out"], problem.nheads, ROWS_PER_CONSUMER, variant.out_dtype)
                 if variant.o_store_tma else None)
     group = problem.nheads // problem.nheads_kv
+    split_blocks = math.ceil(math.ceil(problem.seqlen_k / variant.block_n) / parts)
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
-                  nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles,
-                  **token_stride_fields(problem, o=outputs["out"]),
-                  **(row_stride_fields(problem, lse=outputs["lse"]) if "lse" in outputs else {}),  # (e4m3: may be none)
-                  **mask_and_softmax_fields(problem))
+                  nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles, num_splits=parts,
+                  split_blocks=split_blocks, **mask_and_softmax_fields(problem))
+    if variant.split_kv:  # the partials' strides, with (batch, part) as one batch index
+        o_partial, lse_partial = outputs["o_partial"], outputs["lse_partial"]
+        assert o_partial.strides[0] == parts * o_partial.strides[1] and lse_partial.strides[0] == parts * lse_partial.strides[1]
+        fields.update(zip(("o_stride_b", "o_stride_s", "o_stride_h"), o_partial.strides[1:4]))
+        fields.update(lse_stride_b=lse_partial.strides[1], lse_stride_h=lse_partial.strides[2])
+        combine = _prepare_combine(problem, parts, outputs)
+    else:
+        fields.update(token_stride_fields(problem, o=outputs["out"]))
+        if "lse" in outputs:  # (e4m3: may be none)
+            fields.update(row_stride_fields(problem, lse=outputs["lse"]))
     fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
@@ -636,11 +755,13 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
                      if not problem.varlen else (0, 1))
     fields.update(window_heads=window, window_tiles=window * blocks_m, window_pair0=pair0)
     for name, divisor in (("blocks_m", blocks_m), ("nheads", problem.nheads), ("group", group),
-                          ("window_heads", window), ("window_tiles", window * blocks_m)):
+                          ("window_heads", window), ("window_tiles", window * blocks_m), ("splits", parts)):
         fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
     template = PARAMS.template(**fields)
     block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
     addressed_outputs = ("out", "lse") if "lse" in outputs else ("out",)  # (e4m3 without the LSE: no lse)
+    if variant.split_kv:  # the kernel writes the partials, combine_splits out and lse
+        addressed_outputs = ()
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
@@ -651,6 +772,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
                 transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
         PARAMS.write_addresses(params, outputs, addressed_outputs)
+        if variant.split_kv:
+            PARAMS.write(params, "out", outputs["o_partial"].ptr)
+            PARAMS.write(params, "lse", outputs["lse_partial"].ptr)
         if o_layout:
             PARAMS.write(params, "o_map", tma.encode_tiled(variant.out_dtype, outputs["out"].ptr, *o_layout))
         if problem.varlen:
@@ -659,8 +783,32 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
             PARAMS.write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
         PARAMS.write(params, "counter_slot", next(_counter_slots))
         function(grid, block, (PARAMS.argument(params),), shared_mem=shared_mem, stream=stream)
+        if variant.split_kv:
+            combine(outputs, stream)
 
     return launch_prepared
+
+
+def _prepare_combine(problem, parts: int, outputs):
+    """launch(outputs, stream) of combine_splits: the partials of `parts` parts (the split
+    variant's workspace, contiguous) into out and lse, one warp a query row."""
+    out, lse = outputs["out"], outputs["lse"]
+    assert lse.strides[2] == 1, "lse rows are contiguous (outputs are allocated so)"
+    rows = problem.batch * problem.nheads * problem.seqlen_q
+    template = COMBINE_STRUCT.template(**dict(zip(("o_stride_b", "o_stride_s", "o_stride_h"), out.strides[:3])),
+                                       lse_stride_b=lse.strides[0], lse_stride_h=lse.strides[1], splits=parts,
+                                       seqlen_q=problem.seqlen_q, nheads=problem.nheads, headdim=problem.headdim,
+                                       rows=rows)
+    variant = CombineSplitsVariant(problem.dtype)
+    function = jit.get_function(variant, problem.device.index)
+    grid = (math.ceil(rows * 32 / variant.threads),)
+
+    def launch(outputs, stream) -> None:
+        params = bytearray(template)
+        COMBINE_STRUCT.write_addresses(params, outputs, ("o_partial", "lse_partial", "out", "lse"))
+        function(grid, (variant.threads,), (COMBINE_STRUCT.argument(params),), stream=stream)
+
+    return launch
 
 
 FAMILY = Family(
@@ -673,6 +821,7 @@ FAMILY = Family(
     variants_for=variants_for,
     select=select,
     prepare=prepare,
+    workspace=split_workspace,
 )
 
 FP8_FAMILY = Family(
