@@ -12,7 +12,7 @@ struct CombineSplitsParams {
   const float* o_partial;    // (batch, splits, seqlen_q, nheads, headdim), contiguous
   const float* lse_partial;  // (batch, splits, nheads, seqlen_q), contiguous
   void* out;                 // (batch, seqlen_q, nheads, headdim) of TOut, these strides (elements)
-  float* lse;                // (batch, nheads, seqlen_q), rows contiguous
+  float* lse;                // (batch, nheads, seqlen_q), rows contiguous; none (null) from e4m3 calls without it
   long long o_stride_b, o_stride_s, o_stride_h;
   long long lse_stride_b, lse_stride_h;
   int splits, seqlen_q, nheads, headdim;  // headdim: a multiple of 8
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) combine_splits(const __grid_constant
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   const float lse = sum > 0.f ? max_lse + __logf(sum) : -infinity();
-  if (lane == 0) p.lse[b * p.lse_stride_b + h * p.lse_stride_h + s] = lse;
+  if (lane == 0 && p.lse != nullptr) p.lse[b * p.lse_stride_b + h * p.lse_stride_h + s] = lse;
 
   TOut* out = static_cast<TOut*>(p.out) + b * p.o_stride_b + s * p.o_stride_s + h * p.o_stride_h;
   for (int col = 4 * lane; col < p.headdim; col += 128) {

@@ -76,7 +76,8 @@ struct FwdSm90Params {
   const int* cu_seqlens_q;  // varlen only
   const int* cu_seqlens_k;
   // e4m3 only: q, k and v are x8 * descale, one float per (batch, head) or per 128 rows of a head:
-  // descale[b * stride_b + h * stride_h + (row / 128) * stride_block] (stride_block 0 per head).
+  // descale[b * stride_b + h * stride_h + (row / 128) * stride_block] (stride_block 0 per head; q's
+  // row >> q_descale_shift in the split variants).
   const float* descale[3];  // q, k, v
   long long o_stride_b, o_stride_s, o_stride_h;  // in elements; batch stride unused for varlen
   long long lse_stride_b, lse_stride_h;
@@ -107,6 +108,10 @@ struct FwdSm90Params {
   // o_map, so that no field moved.
   int num_splits, split_blocks;
   FastDivisor splits_div;
+  // e4m3, kSplitKV: q's descale block is row >> q_descale_shift (7: 128 rows; 0: one a row, where a
+  // decode step's query heads are the rows of their kv head, kernels.forward.query_heads_as_rows:
+  // those calls run the split variants, and the others keep row / 128).
+  int q_descale_shift;
   // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
   // rows, for the epilogue's TMA stores (varlen: unused). Last (its 64-byte alignment pads the
   // struct), so that no field before it moved.
@@ -777,7 +782,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int row = t.m0 + wg * 64 + row_in_wg + 8 * hf;
-          if (t.has_row(row)) q_descale[hf] = descale(0, t.h, row / 128);
+          if (t.has_row(row)) q_descale[hf] = descale(0, t.h, kSplitKV ? row >> p.q_descale_shift : row / 128);
         }
       }
 

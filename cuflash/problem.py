@@ -52,6 +52,7 @@ class Problem:
     fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
     hadamard_seed: int | None = None  # quantize_fp8, attention_quantized_forward (q and k): the transform's seed
     with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as rounded)
+    q_descale_per_row: bool = False  # attention_fp8_forward with query heads as rows (kernels.forward): q_descale one a row
 
     def __post_init__(self):
         assert self.op in OPS, self.op

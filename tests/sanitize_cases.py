@@ -101,7 +101,13 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
                                                 ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False),
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True)):
+                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True),
+                                                # decode steps: query heads as rows (q's descales one a
+                                                # row: a split variant, in one part for few keys) and
+                                                # split-KV; MHA split
+                                                ((1, 1, 16, 128), (1, 5000, 4, 128), 128, True),
+                                                ((4, 1, 32, 64), (4, 700, 8, 64), None, True),
+                                                ((2, 1, 8, 256), (2, 3000, 8, 256), None, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)

@@ -293,10 +293,49 @@ def test_decode_gqa_as_rows_of_kv_heads_is_the_same_attention(causal, window, so
 
 
 @pytest.mark.parametrize("change", [dict(seqlen_q=2), dict(nheads=3, nheads_kv=3), dict(window_left=35),
-                                    dict(op="attention_varlen_forward"), dict(op="attention_fp8_forward"),
+                                    dict(op="attention_varlen_forward"), dict(op="attention_quantized_forward"),
                                     dict(op="attention_backward")])
 def test_decode_gqa_as_rows_only_where_every_query_head_sees_every_key(change):
     base = dict(seqlen_q=1, seqlen_k=37, nheads=12, nheads_kv=3)
     assert forward.query_heads_as_rows(_problem(**base)) is not None
     assert forward.query_heads_as_rows(_problem(**{**base, "window_left": 36})) is not None  # sees key 0 still
     assert forward.query_heads_as_rows(_problem(**{**base, **change})) is None
+
+
+@pytest.mark.parametrize("blocks", [(), (1,)])
+def test_decode_gqa_as_rows_reads_q_descales_one_a_row(blocks):
+    """FP8 attention's q descales (batch, nheads) or (batch, nheads, 1 block) as the rows of their kv
+    head: [b, kv, g] is query head kv * group + g's. Such a problem says so (q_descale_per_row) and
+    runs a split variant, in one part if need be, which takes one a row (q_descale_shift 0)."""
+    from cuflash.kernels import fwd_sm90
+
+    batch, nheads, group = 3, 12, 4
+    descale = np.arange(batch * nheads, dtype=np.float64).reshape(batch, nheads, *blocks)
+    device = dict(q_descale=arrays.DeviceArray(0, descale.shape, arrays.contiguous_strides(descale.shape)))
+    viewed = forward.heads_as_rows(device, group)["q_descale"]
+    np.testing.assert_array_equal(_view(descale.ravel(), viewed), descale.reshape(batch, nheads // group, group))
+    fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn", batch=batch, seqlen_q=1, seqlen_k=300, nheads=nheads,
+               nheads_kv=nheads // group)
+    rows = forward.query_heads_as_rows(_problem(**fp8))
+    assert rows.q_descale_per_row and fwd_sm90._q_descale_shift(rows) == 0
+    assert fwd_sm90.kv_splits(rows) == 1 and fwd_sm90.split_parts(rows) == 1  # (300 keys: no split, but one part)
+    assert fwd_sm90.split_workspace(rows)["o_partial"][0] == (batch, 1, group, nheads // group, 64)
+    whole = _problem(**{**fp8, "seqlen_q": 200})
+    assert fwd_sm90.split_parts(whole) is None and fwd_sm90._q_descale_shift(whole) == 7
+    assert not forward.query_heads_as_rows(_problem(seqlen_q=1, nheads=nheads, nheads_kv=3)).q_descale_per_row
+
+
+def test_every_row_sees_every_key_and_such_few_tiles_split():
+    """forward.sees_every_key, the bounds exactly (bottom-right aligned); fwd_sm90.kv_splits splits a
+    causal decode step's few tiles (its one row sees every key) and not the same keys under a mask
+    that hides some."""
+    from cuflash.kernels import fwd_sm90
+
+    every = lambda **kw: forward.sees_every_key(_problem(**{**dict(seqlen_q=3, seqlen_k=40), **kw}))
+    assert every() and every(window_left=37, window_right=2) and every(window_left=-1, window_right=5)
+    assert not every(window_left=36) and not every(window_right=1) and not every(window_right=0)
+    assert forward.sees_every_key(_problem(seqlen_q=1, seqlen_k=40, window_right=0, causal=True))
+    decode = dict(batch=1, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=32, headdim=128)
+    assert fwd_sm90.kv_splits(_problem(**decode, window_right=0, causal=True)) > 1
+    assert fwd_sm90.kv_splits(_problem(**decode, window_left=1000)) == 1
+    assert fwd_sm90.kv_splits(_problem(**{**decode, "batch": 8, "nheads": 16, "nheads_kv": 16})) == 1  # 128 tiles

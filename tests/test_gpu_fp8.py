@@ -203,6 +203,45 @@ def test_fp8_every_table_row(headdim, row, block, with_lse):
     _check(out, lse, quantized, kw)
 
 
+@hopper_only
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv", [
+    (1, 1, 20000, 16, 4), (2, 1, 3000, 8, 8), (1, 5, 9000, 4, 2), (3, 1, 700, 32, 8)])
+def test_fp8_decode_as_rows_and_split_kv_match_reference(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, block,
+                                                        with_lse):
+    """FP8 decode steps: GQA's query heads as the rows of their kv head (q's descales then one a row)
+    and, with few tiles, split-KV (float32 partials in a poisoned workspace, combine_splits); per-head
+    and per-128-row descales, with and without the LSE, against the reference, bit for bit again."""
+    from cuflash.kernels import forward
+
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    q[:, :, ::3] *= 5  # query heads of one kv head with different descales
+    k[:, ::7] *= 4
+    v[:, 1::5] *= 3
+    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    kw = dict(causal=seqlen_q == 1, window=(-1, -1), softmax_scale=None)
+    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
+    planned = forward.query_heads_as_rows(problem) or problem
+    assert (planned is problem) == (seqlen_q > 1 or nheads == nheads_kv)
+    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    lse_shape = (batch, nheads, seqlen_q) if with_lse else None
+    dispatch.clear_plans()
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    # (query heads as rows: a split variant, in one part where kv_splits has none)
+    assert [(p.seqlen_q, variant.split_kv) for (p, _), (_, variant) in dispatch._plans.items()] == \
+        [(planned.seqlen_q, fwd_sm90.split_parts(planned) is not None)]
+    _check(out, lse, quantized, kw)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
+        "results moved between identical runs: a race"
+
+
 def _v_transposed(v8):
     """e4m3 V (batch, seqlen, heads, dim) as the pre-transposed FP8 forward loads it (as uint8 bits):
     (batch, heads, dim, seqlen padded to 16 with zeros), keys within each group of 16 in the order the

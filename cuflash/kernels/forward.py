@@ -68,6 +68,15 @@ def softmax_constants(problem) -> tuple[float, float, float]:
     return problem.softmax_scale * LOG2E, 0.0, 0.0
 
 
+def sees_every_key(problem) -> bool:
+    """Whether every query row of a dense problem sees every key through its causal mask or window
+    (aligned bottom-right, row i sees keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q
+    + right): a decode step's one row under a causal mask does."""
+    left, right = problem.window_left, problem.window_right
+    return ((left < 0 or left >= problem.seqlen_k - problem.seqlen_q)
+            and (right < 0 or right >= problem.seqlen_q - 1))
+
+
 def query_heads_as_rows(problem):
     """A decode step with GQA as the kernels run it: the Problem with each kv head's `group` query
     heads as its query rows (nheads_kv heads of `group` rows), or None where that does not apply.
@@ -80,20 +89,22 @@ def query_heads_as_rows(problem):
     every key, as all of them then do: no left window bound inside the keys (a right bound or a
     causal mask hides no key from the last query row). q and out (batch, 1, nheads, headdim) are
     read as (batch, group, nheads_kv, headdim), lse (batch, nheads, 1) as (batch, nheads_kv, group):
-    the same memory (heads_as_rows)."""
+    the same memory (heads_as_rows). FP8 attention too, its q descales then one a row (not
+    attention(fp8=True), which quantizes q per head)."""
     group = problem.nheads // max(problem.nheads_kv, 1)
-    if (problem.op != "attention_forward" or problem.seqlen_q != 1 or group == 1
-            or 0 <= problem.window_left < problem.seqlen_k - 1):
+    if (problem.op not in ("attention_forward", "attention_fp8_forward") or problem.seqlen_q != 1 or group == 1
+            or not sees_every_key(problem)):
         return None
     return dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_kv, causal=False, window_left=-1,
-                               window_right=-1)
+                               window_right=-1, q_descale_per_row=problem.op == "attention_fp8_forward")
 
 
 def heads_as_rows(arrays: dict, group: int) -> dict:
-    """`arrays` (DeviceArrays of an attention_forward call: q, k, v, out, lse, any of them) as
-    query_heads_as_rows' problem reads them: q and out (batch, 1, nheads, d) as (batch, group,
-    nheads // group, d), lse (batch, nheads, 1) as (batch, nheads // group, group). Query head
-    kv * group + g is row g of head kv; k and v are as they were."""
+    """`arrays` (DeviceArrays of an attention_forward or attention_fp8_forward call: q, k, v, out,
+    lse, descales, any of them) as query_heads_as_rows' problem reads them: q and out (batch, 1,
+    nheads, d) as (batch, group, nheads // group, d), lse (batch, nheads, 1) and q_descale (batch,
+    nheads[, 1]) as (batch, nheads // group, group): one descale a row. Query head kv * group + g
+    is row g of head kv; k, v and their descales are as they were."""
     viewed = dict(arrays)
     for name in ("q", "out"):
         if name in arrays:
@@ -101,9 +112,10 @@ def heads_as_rows(arrays: dict, group: int) -> dict:
             (batch, _, nheads, headdim), (stride_b, _, stride_h, stride_d) = x.shape, x.strides
             viewed[name] = type(x)(x.ptr, (batch, group, nheads // group, headdim),
                                    (stride_b, stride_h, group * stride_h, stride_d))
-    if "lse" in arrays:
-        x = arrays["lse"]
-        (batch, nheads, _), (stride_b, stride_h, _) = x.shape, x.strides
-        assert stride_h == 1, "the kernels write a head's lse rows contiguously (outputs are allocated so)"
-        viewed["lse"] = type(x)(x.ptr, (batch, nheads // group, group), (stride_b, group * stride_h, stride_h))
+    for name in ("lse", "q_descale"):
+        if name in arrays:
+            x = arrays[name]
+            (batch, nheads), (stride_b, stride_h) = x.shape[:2], x.strides[:2]
+            assert name != "lse" or stride_h == 1, "the kernels write a head's lse rows contiguously (outputs are so)"
+            viewed[name] = type(x)(x.ptr, (batch, nheads // group, group), (stride_b, group * stride_h, stride_h))
     return viewed

@@ -16,7 +16,7 @@ from .. import jit, tma
 from . import (CXX_TYPES, MAX_GRID_YZ, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz,
                compiled_headdim, cxx_bool, fast_divisor, launch_nothing, require_rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
-                      token_stride_fields)
+                      sees_every_key, token_stride_fields)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup (wgmma M)
 SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle row: head dims are compiled in multiples of it
@@ -201,7 +201,7 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
            + [(f"window_{name}_{part}", t) for name in ("heads", "tiles")
               for part, t in (("mul", np.uint32), ("shift", np.int32))]
            + [("window_pair0", np.int32), ("num_splits", np.int32), ("split_blocks", np.int32),
-              ("splits_mul", np.uint32), ("splits_shift", np.int32), ("padding", (np.void, 4)),
+              ("splits_mul", np.uint32), ("splits_shift", np.int32), ("q_descale_shift", np.int32),
               ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
 assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
@@ -249,8 +249,9 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
-        if self.split_kv and (fp8 or self.varlen or self.masked):
-            raise ValueError("fwd_sm90: split_kv is for dense, unmasked 16-bit attention")
+        if self.split_kv and (self.varlen or self.masked or self.tensor_row_sums or self.v_pretransposed):
+            raise ValueError("fwd_sm90: split_kv is for dense, unmasked attention with fp32 row sums (the LSE) "
+                             "and, e4m3, V transposed in the kernel")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -390,7 +391,8 @@ class CombineSplitsVariant(Variant):
 # 18.6 / 102 (8k keys), and 2k-4k keys with 4 or 2 heads 25 / 38 and 38 / 70; but 1k keys with 8
 # heads at head dim 64 25 / 17 (8 parts of one block), 512 keys at 256 19.5 / 16, and a decode step
 # of 1k keys 16.8 / 14.8: none of which the two rules split (benchmarks/NOTES-sm90.md, "Decode
-# shapes"). The split variants take the head dim's longest-key row of TILES (SOFTCAP_TILES).
+# shapes"). The split variants take the head dim's longest-key row of TILES (SOFTCAP_TILES), or
+# e4m3 its first FP8_TILES row (_fp8_split_row).
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
@@ -399,12 +401,14 @@ SPLIT_KV_KEYS_PER_ROW = 8
 
 
 def kv_splits(problem) -> int:
-    """The parts split-KV cuts each tile's key blocks into (1: no split): for dense, unmasked 16-bit
-    forwards with fewer tiles than 80% of SPLIT_KV_SMS, by the rules above."""
-    if (problem.op != "attention_forward" or problem.dtype not in CXX_TYPES or problem.headdim > HEADDIMS[-1]
-            or problem.window_left >= 0 or problem.window_right >= 0):
+    """The parts split-KV cuts each tile's key blocks into (1: no split): for dense, unmasked
+    forwards (16-bit or e4m3; every row sees every key, as a causal decode step's one row does) with
+    fewer tiles than 80% of SPLIT_KV_SMS, by the rules above."""
+    fp8 = problem.op == "attention_fp8_forward"
+    if ((problem.op != "attention_forward" and not fp8) or problem.headdim > (FP8_HEADDIMS if fp8 else HEADDIMS)[-1]
+            or not sees_every_key(problem)):
         return 1
-    consumers, block_n = _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0)[:2]
+    consumers, block_n = _split_tiles(problem)[:2]
     block_m = ROWS_PER_CONSUMER * consumers
     tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
     blocks = math.ceil(problem.seqlen_k / block_n)
@@ -421,11 +425,19 @@ def kv_splits(problem) -> int:
     return next(parts for parts, f in fill.items() if f >= SPLIT_KV_FILL * best)
 
 
+def split_parts(problem) -> int | None:
+    """The parts the problem's split variant runs (kv_splits), or None where a whole variant runs
+    it. FP8 decode steps with query heads as rows (q's descales one a row, which only the split
+    variants read) run split, in one part if need be."""
+    parts = kv_splits(problem)
+    return parts if parts > 1 or problem.q_descale_per_row else None
+
+
 def split_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     """Family.workspace of fwd_sm90: split-KV's float32 partials, (batch, parts, seqlen_q, nheads,
     headdim) and (batch, parts, nheads, seqlen_q); none without a split."""
-    parts = kv_splits(problem)
-    if parts == 1:
+    parts = split_parts(problem)
+    if parts is None:
         return {}
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
     return {"o_partial": ((b, parts, sq, h, problem.headdim), "float32"), "lse_partial": ((b, parts, h, sq), "float32")}
@@ -433,6 +445,18 @@ def split_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def _split_row(headdim: int, softcap: bool) -> tuple[int, int, int, str, str]:
     return _rows(headdim, softcap)[-1][1]
+
+
+def _fp8_split_row(headdim: int) -> tuple[int, int, int, str, str, bool]:
+    """e4m3's split variants take the head dim's first FP8_TILES row (V transposed in the kernel:
+    a decode step's keys are read once, and a V^T pass would read them again)."""
+    return FP8_TILES[headdim][0][1]
+
+
+def _split_tiles(problem) -> tuple:
+    if problem.op == "attention_fp8_forward":
+        return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS))
+    return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0)
 
 
 def _rows(headdim: int, softcap: bool):
@@ -483,7 +507,15 @@ def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
                       for mask in mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
                       if not sums or tensor_row_sums_fit(hd, tiles))
-    return attention + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
+    split = tuple(_fp8_split_variant(out, hd) for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS)  # (their
+    # combine_splits is among fwd_sm90's variants)
+    return attention + split + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
+
+
+def _fp8_split_variant(out_dtype: str, headdim: int) -> FwdSm90Variant:
+    tiles = _fp8_split_row(headdim)
+    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, FP8_PASS_BY[headdim][False], False,
+                             tiles[5], False, split_kv=True)
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
@@ -521,8 +553,8 @@ def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("fwd_sm90", problem, inputs)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
-    parts = kv_splits(problem)
-    if parts > 1 and not (tiles_override and headdim in tiles_override):  # (a forced row runs whole)
+    parts = split_parts(problem)
+    if parts and not (tiles_override and headdim in tiles_override):  # (a forced row runs whole)
         variant = _split_variant(problem.dtype, headdim, problem.softcap > 0)
         check_tile_count("fwd_sm90", problem, variant, parts)
         return variant
@@ -581,7 +613,14 @@ def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
 
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     shape = _v_transposed_shape(problem)
-    return {} if shape is None else {"v_transposed": (shape, FP8)}
+    return {**split_workspace(problem), **({} if shape is None else {"v_transposed": (shape, FP8)})}
+
+
+def _check_transposed_blocks(variant, seqlen_k: int, parts: int = 1) -> None:
+    """A tile's key blocks (a split part's: `parts` of them), which the transposing warps count in 16 bits."""
+    if math.ceil(math.ceil(seqlen_k / variant.block_n) / parts) > FP8_MAX_KEY_BLOCKS:
+        raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n * parts} keys per "
+                         f"sequence here; got seqlen_k {seqlen_k}")
 
 
 def select_fp8(problem, inputs) -> FwdSm90Variant:
@@ -591,6 +630,12 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
+    parts = split_parts(problem)
+    if parts and (fp8_forced_row(headdim) is None or problem.q_descale_per_row):  # (a forced row runs whole)
+        variant = _fp8_split_variant(problem.out_dtype, headdim)
+        _check_transposed_blocks(variant, problem.seqlen_k, parts)
+        check_tile_count("fwd_fp8_sm90", problem, variant, parts)
+        return variant
     tiles = fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
     # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
@@ -607,9 +652,8 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
                                 *mask_fields(FP8_PASS_BY, headdim, problem), tiles[5], sums)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
-    if not variant.v_pretransposed and math.ceil(problem.seqlen_k / variant.block_n) > FP8_MAX_KEY_BLOCKS:
-        raise ValueError(f"fwd_fp8_sm90 takes at most {FP8_MAX_KEY_BLOCKS * variant.block_n} keys per sequence; "
-                         f"got seqlen_k {problem.seqlen_k}")
+    if not variant.v_pretransposed:
+        _check_transposed_blocks(variant, problem.seqlen_k)
     check_tile_count("fwd_fp8_sm90", problem, variant)
     return variant
 
@@ -644,6 +688,12 @@ def _descale_strides(inputs) -> tuple:
         return (0, 0, 0), (0, 0, 0), (0, 0, 0)
     strides = [tuple(inputs[n].strides) + (0,) * (3 - len(inputs[n].strides)) for n in _DESCALES]  # (batch, heads): no block stride
     return tuple(tuple(s[d] for s in strides) for d in range(3))
+
+
+def _q_descale_shift(problem) -> int:
+    """The split variants' q_descale_shift: q's descales per 128 rows (or per head: the block stride
+    is 0), or one a row, as kernels.forward.heads_as_rows views a decode step's."""
+    return 0 if problem.q_descale_per_row else 7
 
 
 # Successive launches take successive tile-counter slots (see tile_counters in the kernel).
@@ -737,17 +787,19 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles, num_splits=parts,
                   split_blocks=split_blocks, **mask_and_softmax_fields(problem))
-    if variant.split_kv:  # the partials' strides, with (batch, part) as one batch index
+    if variant.split_kv:  # every row sees every key (kv_splits); the partials' strides, (batch, part) one index
+        fields.update(window_left=-1, window_right=-1)
         o_partial, lse_partial = outputs["o_partial"], outputs["lse_partial"]
         assert o_partial.strides[0] == parts * o_partial.strides[1] and lse_partial.strides[0] == parts * lse_partial.strides[1]
         fields.update(zip(("o_stride_b", "o_stride_s", "o_stride_h"), o_partial.strides[1:4]))
         fields.update(lse_stride_b=lse_partial.strides[1], lse_stride_h=lse_partial.strides[2])
-        combine = _prepare_combine(problem, parts, outputs)
+        combine = _prepare_combine(problem, variant.out_dtype, parts, outputs)
     else:
         fields.update(token_stride_fields(problem, o=outputs["out"]))
         if "lse" in outputs:  # (e4m3: may be none)
             fields.update(row_stride_fields(problem, lse=outputs["lse"]))
     fields.update(zip(("descale_stride_b", "descale_stride_h", "descale_stride_block"), _descale_strides(inputs)))
+    fields.update(q_descale_shift=_q_descale_shift(problem))
     sm_count = int(jit.device_properties(problem.device.index)["multiProcessorCount"])
     grid = (min(num_tiles, sm_count) if persistent else num_tiles,)
     # Varlen's tiles differ in cost by their sequence's length more than by row block: head by head.
@@ -789,23 +841,25 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     return launch_prepared
 
 
-def _prepare_combine(problem, parts: int, outputs):
+def _prepare_combine(problem, out_dtype: str, parts: int, outputs):
     """launch(outputs, stream) of combine_splits: the partials of `parts` parts (the split
-    variant's workspace, contiguous) into out and lse, one warp a query row."""
-    out, lse = outputs["out"], outputs["lse"]
-    assert lse.strides[2] == 1, "lse rows are contiguous (outputs are allocated so)"
+    variant's workspace, contiguous) into out and lse (e4m3 calls without the LSE: none), one warp
+    a query row."""
+    out, lse = outputs["out"], outputs.get("lse")
+    assert lse is None or lse.strides[2] == 1, "lse rows are contiguous (outputs are allocated so)"
     rows = problem.batch * problem.nheads * problem.seqlen_q
     template = COMBINE_STRUCT.template(**dict(zip(("o_stride_b", "o_stride_s", "o_stride_h"), out.strides[:3])),
-                                       lse_stride_b=lse.strides[0], lse_stride_h=lse.strides[1], splits=parts,
-                                       seqlen_q=problem.seqlen_q, nheads=problem.nheads, headdim=problem.headdim,
-                                       rows=rows)
-    variant = CombineSplitsVariant(problem.dtype)
+                                       **(dict(lse_stride_b=lse.strides[0], lse_stride_h=lse.strides[1]) if lse else {}),
+                                       splits=parts, seqlen_q=problem.seqlen_q, nheads=problem.nheads,
+                                       headdim=problem.headdim, rows=rows)
+    addressed = ("o_partial", "lse_partial", "out") + (("lse",) if lse else ())
+    variant = CombineSplitsVariant(out_dtype)
     function = jit.get_function(variant, problem.device.index)
     grid = (math.ceil(rows * 32 / variant.threads),)
 
     def launch(outputs, stream) -> None:
         params = bytearray(template)
-        COMBINE_STRUCT.write_addresses(params, outputs, ("o_partial", "lse_partial", "out", "lse"))
+        COMBINE_STRUCT.write_addresses(params, outputs, addressed)
         function(grid, (variant.threads,), (COMBINE_STRUCT.argument(params),), stream=stream)
 
     return launch
