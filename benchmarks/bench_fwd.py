@@ -6,7 +6,8 @@
   python benchmarks/bench_fwd.py --out DIR --jax --extra fp8  # and cuDNN's FP8 forward beside it
   python benchmarks/bench_fwd.py --out DIR --backward # backward rows -> DIR/bwd_torch.json
   python benchmarks/bench_fwd.py --out DIR --graph 20 # each timing a CUDA graph of 20 calls (short rows)
-  python benchmarks/report.py DIR                     # -> DIR/fwd.md, DIR/bwd.md and PNG charts
+  python benchmarks/bench_fwd.py --out DIR --decode --graph 20 --extra fp8  # decode steps -> DIR/decode_torch.json
+  python benchmarks/report.py DIR                     # -> DIR/fwd.md, DIR/bwd.md, DIR/decode.md and PNG charts
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jax", action="store_true", help="run the JAX cuDNN peer (its own process)")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (torch peers)")
+    parser.add_argument("--decode", action="store_true", help="time decode steps (cuflash.bench.DECODE_SHAPES) "
+                        "instead of the FA3 grid, forward, torch peers -> DIR/decode_torch.json")
     parser.add_argument("--dtypes", default="bfloat16", type=lambda s: s.split(","))
     parser.add_argument("--headdims", default=",".join(map(str, bench.HEADDIMS)),
                         type=lambda s: [int(x) for x in s.split(",")])
@@ -111,6 +114,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = bench.configs(args.dtypes, args.headdims, args.causal, args.seqlens)
+    if args.decode:
+        if args.jax or args.backward:
+            parser.error("--decode times the forward's decode steps against the torch peers")
+        grid = bench.decode_configs(args.dtypes)
     if args.jax and args.graph:
         parser.error("--graph times the torch process's implementations; --jax times JAX's peers in programs of "
                      "back-to-back calls")
@@ -128,7 +135,8 @@ def main(argv=None) -> int:
         rows = bench.run(grid, backward=args.backward, reps=args.reps, warmup=args.warmup, xp=xp,
                          extra=args.extra if args.extra is not None else ("deterministic",) if args.backward else ("sm80",),
                          annotate=tile_annotation(args), graph_calls=args.graph)
-    name = "fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward else "fwd_torch.json"
+    name = ("fwd_jax.json" if args.jax else "bwd_torch.json" if args.backward
+            else "decode_torch.json" if args.decode else "fwd_torch.json")
     bench.save(args.out / name, rows, reps=args.reps, command=" ".join(sys.argv), graph_calls=args.graph)
     return 0
 

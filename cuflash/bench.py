@@ -48,16 +48,33 @@ class Config:
     dtype: str
     headdim: int
     causal: bool
-    seqlen: int
+    seqlen: int  # keys (and, but for decode rows, query rows) a sequence
     batch: int
     nheads: int
+    seqlen_q: int | None = None  # decode rows: query rows a sequence (None: seqlen)
+    nheads_kv: int | None = None  # decode rows: kv heads (None: nheads)
+
+    @property
+    def query_rows(self) -> int:
+        return self.seqlen if self.seqlen_q is None else self.seqlen_q
+
+    @property
+    def kv_heads(self) -> int:
+        return self.nheads if self.nheads_kv is None else self.nheads_kv
 
     def flops(self, backward: bool = False) -> float:
-        f = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.headdim
+        f = 4.0 * self.batch * self.nheads * self.query_rows * self.seqlen * self.headdim
         f *= BACKWARD_FLOPS if backward else 1.0
         return f / 2 if self.causal else f
 
+    def kv_bytes(self) -> int:
+        """The bytes of K and V in the configuration's dtype: what a decode step must read."""
+        return 2 * self.batch * self.seqlen * self.kv_heads * self.headdim * 2
+
     def label(self) -> str:
+        if self.seqlen_q is not None:
+            return (f"{self.dtype} d={self.headdim:3d} decode b={self.batch} q={self.seqlen_q} k={self.seqlen} "
+                    f"heads={self.nheads}/{self.kv_heads}")
         return f"{self.dtype} d={self.headdim:3d} causal={int(self.causal)} s={self.seqlen:5d}"
 
 
@@ -65,6 +82,22 @@ def configs(dtypes, headdims, causal, seqlens) -> list[Config]:
     """The FA3-sized grid, in the order it is run (seqlen fastest)."""
     return [Config(dtype, headdim, c, seqlen, TOKENS // seqlen, HIDDEN // headdim)
             for dtype in dtypes for headdim in headdims for c in causal for seqlen in seqlens]
+
+
+# Decode steps (an LLM's generation: a few query rows a sequence against a long key cache), as
+# (batch, query rows, keys, query heads, kv heads, head dim): GQA at 4 and 8 query heads a kv head,
+# MQA, MHA, batch 1 to 32, 2k to 64k keys. Non-causal: one query row sees every key either way
+# (bottom-right aligned), and SDPA's is_causal aligns top-left.
+DECODE_SHAPES = ((1, 1, 32768, 32, 8, 128), (8, 1, 8192, 32, 8, 128), (32, 1, 2048, 32, 8, 128),
+                 (16, 1, 4096, 32, 4, 128), (1, 1, 8192, 64, 8, 128), (1, 1, 32768, 32, 32, 128),
+                 (8, 1, 8192, 16, 16, 64), (2, 1, 16384, 16, 16, 256), (1, 4, 65536, 8, 1, 64),
+                 (4, 16, 8192, 32, 32, 128))
+
+
+def decode_configs(dtypes) -> list[Config]:
+    """DECODE_SHAPES in each dtype."""
+    return [Config(dtype, headdim, False, keys, batch, heads, seqlen_q=rows, nheads_kv=kv_heads)
+            for dtype in dtypes for batch, rows, keys, heads, kv_heads, headdim in DECODE_SHAPES]
 
 
 def gpu_state() -> dict:
@@ -174,7 +207,7 @@ class _Torch:
                 leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]  # SDPA's layout
                 try:
                     with sdpa_kernel(backend):
-                        ot = sdpa(*leaves, is_causal=causal)
+                        ot = sdpa(*leaves, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
                 except RuntimeError as e:
                     say(f"  {name} unavailable: {str(e)[:120]}")
                     continue
@@ -186,7 +219,7 @@ class _Torch:
 
                 def call(backend=backend):
                     with sdpa_kernel(backend):
-                        return sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
+                        return sdpa(qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1]).transpose(1, 2)
                 impls[name] = call
         return impls
 
@@ -268,8 +301,9 @@ def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
     import cuflash
 
     g = xp.generator(config.seqlen * config.headdim)
-    shape = (config.batch, config.seqlen, config.nheads, config.headdim)
-    q, k, v = (xp.randn(shape, config.dtype, g) for _ in range(3))
+    shape = (config.batch, config.query_rows, config.nheads, config.headdim)
+    q = xp.randn(shape, config.dtype, g)
+    k, v = (xp.randn((config.batch, config.seqlen, config.kv_heads, config.headdim), config.dtype, g) for _ in range(2))
     causal = config.causal
     if not backward:
         impls = xp.peers(q, k, v, causal, backward=False)

@@ -26,7 +26,7 @@ LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)
           "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales",
           "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)",
           "jax-cudnn-fp8": "JAX, cuDNN FP8 (e4m3), per-tensor scales"}
-PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)"}
+PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)", "decode": "Decode steps"}
 # A row whose repetitions spread this much (p10 to p90, over the median) of some implementation was
 # not measured at a steady state: seen in the shortest causal rows, where the host's calls of the
 # interleaved implementations fall behind the GPU and some or all of them read 1.5-2x slow (normal
@@ -105,6 +105,41 @@ def render(results: list[dict], title: str = "Forward") -> str:
     return "\n".join(out) + "\n"
 
 
+def render_decode(results: list[dict], title: str = "Decode steps") -> str:
+    """A markdown table of decode rows (cuflash.bench.DECODE_SHAPES): microseconds of every
+    implementation, the bandwidth cuflash reads K and V at, its speed over FA2's and cuDNN's (their
+    time over its), the FP8 kernel's over cuflash's 16-bit one, the clock."""
+    rows = [r for res in results for r in res["rows"]]
+    meta = results[0]["meta"]
+    cells = defaultdict(dict)
+    for r in rows:
+        cells[(r["dtype"], r["headdim"], r["batch"], r["seqlen_q"], r["seqlen"], r["nheads"], r["nheads_kv"])][r["impl"]] = r
+    peers = [p for p in PEERS if any(p in c for c in cells.values())]
+    fp8 = "cuflash-fp8" in peers
+    out = [f"{title} on {rows[0]['gpu'] if rows else '?'}, {meta['date']}: microseconds a call, median of "
+           f"{meta['reps']} interleaved repetitions"
+           + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
+           + f"; {_clock_range(rows)}. TB/s: K and V's bytes (16-bit) over cuflash's time; speed-ups are times "
+           "over cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
+           "| dtype | hdim | batch | q rows | keys | heads (q/kv) | cuflash | " + " | ".join(peers)
+           + " | cuflash TB/s | vs FA2 | vs cuDNN |" + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]
+    for key in sorted(cells):
+        c = cells[key]
+        if "cuflash" not in c:
+            continue
+        dtype, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv = key
+        us = lambda name: f"{1e3 * c[name]['ms']:.1f}" if name in c else "-"
+        over = lambda name, base="cuflash": f"{c[name]['ms'] / c[base]['ms']:.2f}" if name in c and base in c else "-"
+        flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
+        tbs = 2 * batch * seqlen_k * nheads_kv * headdim * 2 / (c["cuflash"]["ms"] * 1e9)
+        out.append(f"| {dtype} | {headdim} | {batch} | {seqlen_q} | {seqlen_k} | {nheads}/{nheads_kv} | {us('cuflash')} | "
+                   + " | ".join(us(p) for p in peers) + f" | {tbs:.2f} | {over('torch-flash')} | {over('torch-cudnn')} |"
+                   + (f" {over('cuflash', 'cuflash-fp8')} |" if fp8 else "")
+                   + f" {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
+    return "\n".join(out) + "\n"
+
+
 def chart(results: list[dict], path: Path, title: str = "Forward", dtype: str = "bfloat16") -> Path:
     """A PNG: TFLOP/s against seqlen, one panel per (head dim, causal), one line per implementation.
     Needs matplotlib (ImportError otherwise)."""
@@ -171,17 +206,17 @@ def outputs(directory: Path) -> list[Path]:
 
 
 def write(directory: Path, charts: bool = True) -> list[Path]:
-    """fwd.md / bwd.md from DIR's JSON, and a PNG per pass and dtype when matplotlib is installed;
-    the paths written."""
+    """fwd.md / bwd.md / decode.md from DIR's JSON, and a PNG per pass (but decode) and dtype when
+    matplotlib is installed; the paths written."""
     written = []
     for prefix, title in PASSES.items():
         results = [json.loads(p.read_text()) for p in sorted(directory.glob(f"{prefix}_*.json"))]
         if not results:
             continue
         md = directory / f"{prefix}.md"
-        md.write_text(render(results, title))
+        md.write_text((render_decode if prefix == "decode" else render)(results, title))
         written.append(md)
-        if not charts:
+        if not charts or prefix == "decode":  # (decode rows: a table)
             continue
         for dtype in sorted({r["dtype"] for res in results for r in res["rows"]}):
             written.append(chart(results, directory / f"{prefix}_{dtype}.png", title.split(" (")[0], dtype))
@@ -198,7 +233,7 @@ def main(argv=None) -> int:
         print("matplotlib is not installed: markdown only (pip install matplotlib for the charts)", file=sys.stderr)
     written = write(Path(argv[0]), charts)
     if not written:
-        print(f"no fwd_*.json or bwd_*.json in {argv[0]}: nothing to report", file=sys.stderr)
+        print(f"no fwd_*.json, bwd_*.json or decode_*.json in {argv[0]}: nothing to report", file=sys.stderr)
         return 2
     for path in written:
         print(path.read_text() if path.suffix == ".md" else f"chart: {path}")

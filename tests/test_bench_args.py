@@ -70,6 +70,13 @@ def test_graph_timing_is_refused_for_the_jax_peer_and_counts_calls(tmp_path, cap
         assert "expected a number of calls >= 0" in capsys.readouterr().err
 
 
+def test_decode_steps_are_refused_for_the_jax_peer_and_the_backward(tmp_path, capsys):
+    for other in ("--jax", "--backward"):
+        with pytest.raises(SystemExit):
+            _bench_fwd().main(["--out", str(tmp_path), "--decode", other])
+        assert "--decode times the forward's decode steps" in capsys.readouterr().err
+
+
 def test_jax_process_times_cudnn_fp8_with_extra_fp8(tmp_path, monkeypatch):
     """--jax asks bench.run_jax for cuDNN's FP8 forward exactly when --extra names fp8."""
     asked = []

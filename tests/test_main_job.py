@@ -146,6 +146,32 @@ def test_bench_sizing_is_flashattention3s():
     assert causal.flops(backward=True) == 2.5 * causal.flops() == 2.5 * 0.5 * 4.0 * 32 * 32 * 512 ** 2 * 64
 
 
+def test_bench_decode_steps_read_their_keys_once():
+    """Decode rows: a few query rows against long keys, GQA's kv heads; FLOPs and K and V's bytes."""
+    grid = bench.decode_configs(["bfloat16"])
+    assert len(grid) == len(bench.DECODE_SHAPES) and not any(c.causal for c in grid)
+    c = next(c for c in grid if (c.batch, c.seqlen_q, c.seqlen, c.nheads, c.nheads_kv) == (1, 1, 32768, 32, 8))
+    assert c.query_rows == 1 and c.kv_heads == 8 and "decode b=1 q=1 k=32768 heads=32/8" in c.label()
+    assert c.flops() == 4.0 * 32 * 32768 * 128 and c.kv_bytes() == 2 * 32768 * 8 * 128 * 2
+    square = bench.configs(["bfloat16"], [128], [False], [1024])[0]
+    assert (square.query_rows, square.kv_heads) == (1024, 16)
+
+
+def test_report_tables_decode_steps(tmp_path):
+    """decode_torch.json -> decode.md: microseconds, cuflash's bandwidth, its speed-ups, no chart."""
+    rows = [dict(impl=impl, dtype="bfloat16", headdim=128, causal=False, seqlen=32768, batch=1, nheads=32,
+                 seqlen_q=1, nheads_kv=8, ms=us / 1e3, tflops=0.0, sm_clock_mhz=1980, throttled=False,
+                 gpu="NVIDIA H100 80GB HBM3")
+            for impl, us in (("cuflash", 50.0), ("torch-flash", 60.0), ("torch-cudnn", 55.0), ("cuflash-fp8", 40.0))]
+    document = dict(meta=dict(date="2026-11-27", versions={"torch": "2.11.0"}, tokens=16384, hidden=2048, reps=15,
+                              graph_calls=20), rows=rows)
+    (tmp_path / "decode_torch.json").write_text(json.dumps(document))
+    assert [p.name for p in report.write(tmp_path, charts=True)] == ["decode.md"]
+    table = (tmp_path / "decode.md").read_text()
+    assert "| bfloat16 | 128 | 1 | 1 | 32768 | 32/8 | 50.0 | 60.0 | 55.0 | 40.0 | 2.68 | 1.20 | 1.10 | 1.25 | 1980 |" in table
+    assert "each a CUDA graph replay of 20 calls" in table
+
+
 def _document(impls_tflops: dict, seqlens=(1024, 4096)) -> dict:
     rows = [dict(impl=impl, dtype="bfloat16", headdim=hd, causal=causal, seqlen=s, tflops=tf * s / 4096,
                  sm_clock_mhz=1980, throttled=False, gpu="NVIDIA H100 80GB HBM3")
