@@ -22,7 +22,8 @@ static_assert(sizeof(CombineSplitsParams) == 96, "CombineSplitsParams must match
 
 template <typename TOut, int kThreads>
 __global__ void __launch_bounds__(kThreads) combine_splits(const __grid_constant__ CombineSplitsParams p) {
-  const int row = static_cast<int>((blockIdx.x * kThreads + threadIdx.x) / 32);  // (b * nheads + h) * seqlen_q + s
+  // (b * nheads + h) * seqlen_q + s; the thread index in 64 bits (rows < 2^31: the launcher checks)
+  const int row = static_cast<int>((static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) / 32);
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
   const int bh = row / p.seqlen_q, s = row - bh * p.seqlen_q;

@@ -332,8 +332,9 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     from cuflash.kernels import fwd_sm90
 
     every = lambda **kw: forward.sees_every_key(_problem(**{**dict(seqlen_q=3, seqlen_k=40), **kw}))
-    assert every() and every(window_left=37, window_right=2) and every(window_left=-1, window_right=5)
-    assert not every(window_left=36) and not every(window_right=1) and not every(window_right=0)
+    assert every() and every(window_left=39, window_right=2) and every(window_left=-1, window_right=5)
+    assert not every(window_left=38) and not every(window_right=1) and not every(window_right=0)
+    assert not every(window_left=37)  # row 0 sees key 0, but row 2 not keys 0 and 1 (their first key is row + 37 - 39)
     assert forward.sees_every_key(_problem(seqlen_q=1, seqlen_k=40, window_right=0, causal=True))
     decode = dict(batch=1, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=32, headdim=128)
     assert fwd_sm90.kv_splits(_problem(**decode, window_right=0, causal=True)) > 1

@@ -389,6 +389,28 @@ def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="fwd_sm90 needs compute capability 9.0")
+@pytest.mark.parametrize("seqlen_q, seqlen_k, window", [(300, 4096, (3796, -1)), (5000, 4096, (0, -1)),
+                                                        (128, 4096, (3968, -1)), (300, 4096, (4095, -1))])
+def test_sm90_few_tiles_under_a_window_split_only_where_every_row_sees_every_key(seqlen_q, seqlen_k, window):
+    """A left window that hides key 0 from the last rows only (row 0 still sees it) keeps its mask:
+    those few tiles run whole and masked, and only a window that hides no key splits (a first
+    forward.sees_every_key tested row 0 alone, and split these unmasked: max error 0.04-2.4)."""
+    from cuflash.kernels import forward
+
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + window[0])
+    q = torch.randn(1, seqlen_q, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, seqlen_k, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(causal=False, window=window, softcap=0.0, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, "sm90", **kw)
+    dispatch.clear_plans()
+    out, lse = gpu_attention.run_poisoned(problem, dict(q=q, k=k, v=v), q.shape, (1, 2, seqlen_q), torch.bfloat16)
+    assert [variant.split_kv for _, variant in dispatch._plans.values()] == [forward.sees_every_key(problem)]
+    assert forward.sees_every_key(problem) == (window[0] == seqlen_k - 1)
+    _check(out, lse, q, k, v, kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
 def test_split_kv_decode_under_jax_vmap_jit_and_torch_graphs():
     """Split-KV's workspace is declared before JAX's vmap folds the mapped axis into the batch (the
     launch then takes as many parts as the workspace holds), and is allocated by CUDA graph capture

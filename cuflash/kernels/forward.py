@@ -71,10 +71,10 @@ def softmax_constants(problem) -> tuple[float, float, float]:
 def sees_every_key(problem) -> bool:
     """Whether every query row of a dense problem sees every key through its causal mask or window
     (aligned bottom-right, row i sees keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q
-    + right): a decode step's one row under a causal mask does."""
+    + right): the last row must see key 0 (left >= seqlen_k - 1) and the first the last key (right
+    >= seqlen_q - 1). A decode step's one row under a causal mask does."""
     left, right = problem.window_left, problem.window_right
-    return ((left < 0 or left >= problem.seqlen_k - problem.seqlen_q)
-            and (right < 0 or right >= problem.seqlen_q - 1))
+    return (left < 0 or left >= problem.seqlen_k - 1) and (right < 0 or right >= problem.seqlen_q - 1)
 
 
 def query_heads_as_rows(problem):

@@ -766,9 +766,15 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     from outputs["v_transposed"]: written from inputs["v"] by a pass the launch runs first, or
     (v_transposed_given: the fwd_quantized_sm90 family's launch, inputs without v) already there."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
-    # Split-KV: as many parts as the workspace holds (declared for the problem before JAX's vmap
-    # folded more into its batch, which only lowers kv_splits' count).
+    # Split-KV: as many parts as the workspace holds. It was declared for the problem before JAX's
+    # vmap folded more into its batch, and kv_splits may count the folded problem otherwise (never
+    # splitting it where the unfolded one ran whole); the index and block-count checks of select
+    # are made again for these parts.
     parts = outputs["o_partial"].shape[1] if variant.split_kv else 1
+    if variant.split_kv:
+        check_tile_count(variant.family, problem, variant, parts)
+        if variant.dtype == FP8:
+            _check_transposed_blocks(variant, problem.seqlen_k, parts)
     num_tiles = blocks_m * problem.nheads * problem.batch * parts
     if num_tiles == 0:
         return launch_nothing
@@ -848,6 +854,9 @@ def _prepare_combine(problem, out_dtype: str, parts: int, outputs):
     out, lse = outputs["out"], outputs.get("lse")
     assert lse is None or lse.strides[2] == 1, "lse rows are contiguous (outputs are allocated so)"
     rows = problem.batch * problem.nheads * problem.seqlen_q
+    if rows >= 2**31:
+        raise ValueError(f"combine_splits merges split-KV's parts one warp a query row, counted in int32: "
+                         f"batch * nheads * seqlen_q = {rows} is too large")
     template = COMBINE_STRUCT.template(**dict(zip(("o_stride_b", "o_stride_s", "o_stride_h"), out.strides[:3])),
                                        **(dict(lse_stride_b=lse.strides[0], lse_stride_h=lse.strides[1]) if lse else {}),
                                        splits=parts, seqlen_q=problem.seqlen_q, nheads=problem.nheads,
