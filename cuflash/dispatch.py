@@ -171,25 +171,26 @@ def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
     """`plan`'s kernel, loaded (compiled on first use), as a function (inputs, outputs, stream) of
     arrays laid out as these (Family.prepare): remembered per plan and outputs' strides. A decode
     step with GQA runs as its kv heads' query heads in rows (kernels.forward.query_heads_as_rows)."""
-    as_rows = query_heads_as_rows(problem)
-    if as_rows is not None:
-        group = problem.nheads // problem.nheads_kv
-        launch_rows = launcher(as_rows, heads_as_rows(device_inputs, group), heads_as_rows(device_outputs, group))
-        return lambda inputs, outputs, stream: launch_rows(heads_as_rows(inputs, group), heads_as_rows(outputs, group),
-                                                           stream)
-
     def make():
         import cupy
 
         from . import jit
 
-        family, variant = plan(problem, device_inputs)
+        as_rows = query_heads_as_rows(problem)
+        kernel_problem = as_rows or problem
+        if as_rows:  # the kernels read q, out, lse (and q's descales) through views
+            group = problem.nheads // problem.nheads_kv
+            view = lambda arrays: heads_as_rows(arrays, group)  # noqa: E731
+        else:
+            view = lambda arrays: arrays  # noqa: E731
+        family, variant = plan(kernel_problem, view(device_inputs))
         index = problem.device.index
-        launch = family.prepare(variant, jit.get_function(variant, index), problem, device_inputs, device_outputs)
+        launch = family.prepare(variant, jit.get_function(variant, index), kernel_problem, view(device_inputs),
+                                view(device_outputs))
 
         def on_device(inputs, outputs, stream) -> None:
             with cupy.cuda.Device(index):
-                launch(inputs, outputs, stream)
+                launch(view(inputs), view(outputs), stream)
         return on_device
 
     key = (problem, _layout_key(device_inputs), tuple(a.strides for a in device_outputs.values()))

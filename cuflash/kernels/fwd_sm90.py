@@ -443,6 +443,28 @@ def split_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     return {"o_partial": ((b, parts, sq, h, problem.headdim), "float32"), "lse_partial": ((b, parts, h, sq), "float32")}
 
 
+def _select_split(problem, headdim: int, forced: bool) -> FwdSm90Variant | None:
+    """The split variant that runs this problem at its compiled head dim, or None: none without
+    split_parts, nor where a table row is forced (benchmarks, tests), unless q's descales are one a
+    row (only the split variants read them so)."""
+    parts = split_parts(problem)
+    if parts is None or (forced and not problem.q_descale_per_row):
+        return None
+    fp8 = problem.op == "attention_fp8_forward"
+    variant = (_fp8_split_variant(problem.out_dtype, headdim) if fp8
+               else _split_variant(problem.dtype, headdim, problem.softcap > 0))
+    check_split_parts(problem, variant, parts)
+    return variant
+
+
+def check_split_parts(problem, variant, parts: int) -> None:
+    """A split variant's limits for `parts` parts (ValueError): its tile indices in int32, and e4m3's
+    key blocks per part, which the transposing warps count in 16 bits."""
+    if variant.dtype == FP8:
+        _check_transposed_blocks(variant, problem.seqlen_k, parts)
+    check_tile_count(variant.family, problem, variant, parts)
+
+
 def _split_row(headdim: int, softcap: bool) -> tuple[int, int, int, str, str]:
     return _rows(headdim, softcap)[-1][1]
 
@@ -553,11 +575,9 @@ def select(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_sm90", problem.headdim, HEADDIMS[-1])
     check_loadable("fwd_sm90", problem, inputs)
     headdim = compiled_headdim(problem.headdim, HEADDIMS)
-    parts = split_parts(problem)
-    if parts and not (tiles_override and headdim in tiles_override):  # (a forced row runs whole)
-        variant = _split_variant(problem.dtype, headdim, problem.softcap > 0)
-        check_tile_count("fwd_sm90", problem, variant, parts)
-        return variant
+    split = _select_split(problem, headdim, bool(tiles_override and headdim in tiles_override))
+    if split:
+        return split
     tiles = (tiles_override[headdim] if tiles_override and headdim in tiles_override
              else _tiles(headdim, problem.seqlen_k, problem.softcap > 0))
     variant = FwdSm90Variant(problem.dtype, problem.dtype, headdim, *tiles, problem.varlen, problem.softcap > 0,
@@ -630,12 +650,9 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         if any(abs(s) >= 2**31 for s in inputs[name].strides):
             raise ValueError(f"fwd_fp8_sm90 indexes {name} with int32 strides; got {inputs[name].strides}")
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
-    parts = split_parts(problem)
-    if parts and (fp8_forced_row(headdim) is None or problem.q_descale_per_row):  # (a forced row runs whole)
-        variant = _fp8_split_variant(problem.out_dtype, headdim)
-        _check_transposed_blocks(variant, problem.seqlen_k, parts)
-        check_tile_count("fwd_fp8_sm90", problem, variant, parts)
-        return variant
+    split = _select_split(problem, headdim, fp8_forced_row(headdim) is not None)
+    if split:
+        return split
     tiles = fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
     # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
@@ -768,13 +785,10 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     # Split-KV: as many parts as the workspace holds. It was declared for the problem before JAX's
     # vmap folded more into its batch, and kv_splits may count the folded problem otherwise (never
-    # splitting it where the unfolded one ran whole); the index and block-count checks of select
-    # are made again for these parts.
+    # splitting it where the unfolded one ran whole): select's checks, for these parts.
     parts = outputs["o_partial"].shape[1] if variant.split_kv else 1
     if variant.split_kv:
-        check_tile_count(variant.family, problem, variant, parts)
-        if variant.dtype == FP8:
-            _check_transposed_blocks(variant, problem.seqlen_k, parts)
+        check_split_parts(problem, variant, parts)
     num_tiles = blocks_m * problem.nheads * problem.batch * parts
     if num_tiles == 0:
         return launch_nothing
@@ -817,9 +831,10 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
         fields.update(zip((f"{name}_mul", f"{name}_shift"), fast_divisor(divisor)))
     template = PARAMS.template(**fields)
     block, shared_mem, dtype, fp8 = (variant.threads,), variant.dynamic_shared_bytes, problem.dtype, _DESCALES[0] in inputs
-    addressed_outputs = ("out", "lse") if "lse" in outputs else ("out",)  # (e4m3 without the LSE: no lse)
-    if variant.split_kv:  # the kernel writes the partials, combine_splits out and lse
-        addressed_outputs = ()
+    # Field -> output: out and lse (e4m3 without the LSE: no lse), or the partials, which
+    # combine_splits then merges into them.
+    addressed = ({"out": "o_partial", "lse": "lse_partial"} if variant.split_kv
+                 else {name: name for name in ("out", "lse") if name in outputs})
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
@@ -829,10 +844,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
             if transpose_v:
                 transpose_v(inputs["v"], vt, stream)
             PARAMS.write(params, "v_map", tma.encode_tiled(FP8, vt.ptr, *vt_layout))
-        PARAMS.write_addresses(params, outputs, addressed_outputs)
-        if variant.split_kv:
-            PARAMS.write(params, "out", outputs["o_partial"].ptr)
-            PARAMS.write(params, "lse", outputs["lse_partial"].ptr)
+        for field, name in addressed.items():
+            PARAMS.write(params, field, outputs[name].ptr)
         if o_layout:
             PARAMS.write(params, "o_map", tma.encode_tiled(variant.out_dtype, outputs["out"].ptr, *o_layout))
         if problem.varlen:
