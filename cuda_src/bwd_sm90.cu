@@ -1,10 +1,12 @@
 // FlashAttention backward for Hopper (sm_90a): TMA producer, two wgmma consumer warpgroups.
 //
-// The algorithm is bwd_sm80's (reference.backward_tiled): one CTA owns kBlockN = 128 keys of one
-// (batch, kv head), keeps their dK and dV in registers, and visits, for every query head of the kv
-// head's group, the blocks of kBlockM = 64 queries that see them. Everything is computed transposed,
-// keys as wgmma's M, so that Pᵀ and dSᵀ come out of the accumulators in the layout of a register A
-// operand. Three warpgroups:
+// The algorithm is bwd_sm80's (reference.backward_tiled): one CTA owns kBlockN keys of one (batch,
+// kv head), keeps their dK and dV in registers, and visits, for every query head of the kv head's
+// group, the blocks of kBlockM = 64 queries that see them. Everything is computed transposed, keys
+// as wgmma's M, so that Pᵀ and dSᵀ come out of the accumulators in the layout of an A operand. Up to
+// head dim 128 kBlockN = 128 and each consumer owns 64 keys (as below); at head dim 256 ("split
+// head", kSplitHead) dK and dV of 64 keys would not fit one warpgroup's registers, so kBlockN = 64
+// and the consumers split the work the other way (after the list). Three warpgroups:
 //   warpgroup 0   producer (setmaxnreg down). Thread 0 loads K and V once, then each query tile's
 //                 Q and dO (128-byte swizzle, zero fill out of bounds) and its 64 LSE and D =
 //                 rowsum(dO ∘ O) values (rank-1 maps over the whole lse and delta arrays: rows past
@@ -27,7 +29,14 @@
 //                              the two taking turns tile by tile, times the softmax scale: staged
 //                              in shared memory for the producer's warp 1 to add (kDqBuffers > 0), or
 //                              added by the consumer itself with two-float reductions (0).
-// dSᵀ has two buffers: a warpgroup writes tile t's while the other may still run tile t-1's dQ.
+// Split head (head dim 256): both consumers see the block's 64 keys. Consumer w computes Sᵀ and
+// dPᵀ for queries 32 w .. 32 w + 31 of the tile (N = 32), and writes its half of Pᵀ and dSᵀ to
+// shared memory ([64 keys][64 queries] each); after the named barrier it holds dV, dK and dQ for
+// head-dim columns 128 w .. 128 w + 127: dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ read from
+// shared memory (wgmma SS, K-major A), and dQ = dS K every tile (no turns), both consumers staging
+// their columns of the tile's rows for warp 1.
+// dSᵀ (split head: dSᵀ and Pᵀ) has two buffers: a warpgroup writes tile t's while the other may
+// still run tile t-1's GEMMs.
 // dQ's staging has kDqBuffers (tile t uses t % kDqBuffers; "dq_full" when staged, "dq_empty" once
 // warp 1's reductions have read it): a consumer stages tile t's after the reductions of tile
 // t - kDqBuffers have read theirs.
@@ -71,29 +80,36 @@ constexpr int kBwdDsBarrier = 1;  // named barrier: both consumers' dSᵀ are in
 
 template <typename T, int kHeadDim, int kStages, int kDqBuffers, bool kVarlen, bool kSoftcap>
 __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm90Params p) {
-  constexpr int kBlockM = 64, kBlockN = 128;     // queries per tile, keys per CTA (64 per consumer)
+  constexpr bool kSplitHead = kHeadDim > 128;    // the consumers split the head dim, not the keys
+  constexpr int kBlockM = 64;                    // queries per tile
+  constexpr int kBlockN = kSplitHead ? 64 : 128;  // keys per CTA
   constexpr int kAtoms = kHeadDim / 64;          // 128-byte swizzle rows across the head dim
   constexpr unsigned kKBytes = kBlockN * kAtoms * 128;  // K, or V
   constexpr unsigned kQBytes = kBlockM * kAtoms * 128;  // Q, or dO, of one slot
   constexpr unsigned kSlotBytes = 2 * kQBytes;          // a slot: Q, then dO
-  constexpr unsigned kDsBytes = kBlockN * 128;          // a dSᵀ buffer: 128 keys x 64 queries
+  constexpr unsigned kDsBytes = kBlockN * 128;          // a dSᵀ (or Pᵀ) buffer: kBlockN keys x 64 queries
+  constexpr unsigned kTileBufBytes = (kSplitHead ? 2 : 1) * kDsBytes;  // a tile's dSᵀ (then Pᵀ)
   // A slot's LSE box, then D's: kBlockM values from the 16-byte boundary at or before the first,
   // each box on a 128-byte boundary (TMA's rule for shared memory).
   constexpr int kRowsBox = kBlockM + 4;
   constexpr unsigned kRowsBoxBytes = (kRowsBox * 4 + 127) / 128 * 128;
   constexpr unsigned kRowsBytes = 2 * kRowsBoxBytes;
-  // dQ's staging rows, padded by 8 floats: the 8 rows a warp stores at once then start in
-  // different bank groups.
-  constexpr unsigned kDqRowBytes = (kHeadDim + 8) * 4;
+  // dQ's staging rows, padded: a warp's 64-bit stores go out as two half-warps of 4 rows x 8 floats,
+  // whose rows then start 8 banks apart and take all 32 banks once. At head dim 256 the 8 floats
+  // do not fit beside the rest (one slot); 4 do, at two banks' conflicts per half-warp.
+  constexpr unsigned kDqRowBytes = (kHeadDim + (kSplitHead ? 4 : 8)) * 4;
   using Split = RegisterSplit<2>;
-  constexpr int kDAcc = kHeadDim / 2;                   // dK, dV, dQ accumulators per thread
-  constexpr int kSAcc = kBlockM / 2;                    // Sᵀ, dPᵀ accumulators per thread
+  constexpr int kSQueries = kSplitHead ? kBlockM / 2 : kBlockM;  // queries (N) of a consumer's Sᵀ and dPᵀ
+  constexpr int kDCols = kSplitHead ? kHeadDim / 2 : kHeadDim;   // head-dim columns of its dK, dV, dQ
+  constexpr int kDAcc = kDCols / 2;                     // dK, dV, dQ accumulators per thread
+  constexpr int kSAcc = kSQueries / 2;                  // Sᵀ, dPᵀ accumulators per thread
   constexpr int kHeadSteps = kHeadDim / 16;             // k16 steps of Sᵀ and dPᵀ
-  constexpr int kQuerySteps = kBlockM / 16;             // of dV and dK
+  constexpr int kQuerySteps = kSQueries / 16;           // of the Pᵀ and dSᵀ a consumer computes
   constexpr int kKeySteps = kBlockN / 16;               // of dQ
   constexpr int kConsumerWarps = 8;
   static_assert(sizeof(T) == 2, "fp16 / bf16");
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole swizzle atoms; dK and dV fit the registers up to 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "whole swizzle atoms; dK and dV of 64 keys fit the registers up to 128, of half the head dim at 256");
   static_assert(kStages >= 1, "at least one Q/dO slot");
   static_assert(kDqBuffers >= 0 && kDqBuffers <= 2, "dQ staged in one or two buffers, or not at all");
   static_assert(Split::kProducer + 2 * Split::kConsumer <= 65536 / 384 / 8 * 8 * 3, "the CTA's registers");
@@ -103,8 +119,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const unsigned sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sV = sK + kKBytes;
   const unsigned sQ = sV + kKBytes;                 // kStages slots: Q, then dO
-  const unsigned sDs = sQ + kStages * kSlotBytes;   // two dSᵀ buffers
-  const unsigned sRows = sDs + 2 * kDsBytes;        // kStages slots: LSE, then D (kRowsBox each)
+  const unsigned sDs = sQ + kStages * kSlotBytes;   // two tiles' dSᵀ (split head: dSᵀ, then Pᵀ)
+  const unsigned sRows = sDs + 2 * kTileBufBytes;   // kStages slots: LSE, then D (kRowsBox each)
   const unsigned sDq = sRows + kStages * kRowsBytes;  // kDqBuffers x kBlockM rows of kDqRowBytes
   const unsigned bars = sDq + kDqBuffers * kBlockM * kDqRowBytes;
   const unsigned kv_full = bars;
@@ -152,7 +168,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     }
 #pragma unroll
     for (int buffer = 0; buffer < kDqBuffers; ++buffer) {
-      mbarrier_init(dq_full(buffer), 4);   // the warps of the consumer whose turn it was
+      // the warps of both consumers (split head), or of the one whose turn it was
+      mbarrier_init(dq_full(buffer), kSplitHead ? 8 : 4);
       mbarrier_init(dq_empty(buffer), 1);  // warp 1, once its reductions have read the staged dQ
     }
     fence_barrier_init();
@@ -212,19 +229,25 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
 
   // -------------------------------------------------------------------- consumers
   setmaxnreg_inc<Split::kConsumer>();
-  const int wg = warpgroup - 1;                                // which 64 keys of the block
+  const int wg = warpgroup - 1;
   const int key_in_wg = 16 * (tid % 128 / 32) + lane / 4;      // this thread's keys: key_in_wg and + 8
-  // Descriptors (128-byte swizzle). K-major: K and V rows of this warpgroup as A (atoms kBlockN
-  // rows apart), Q and dO as B (atoms kBlockM rows apart); a k16 step over the head dim moves 32
-  // bytes in an atom, or to the next atom every 4 steps. MN-major (LBO: the next atom across N or
-  // M, SBO: 8 rows of 128 bytes): Q and dO as B of dK and dV, dSᵀ as A and K as B of dQ; a k16
-  // step is 16 rows, 2048 bytes.
-  const unsigned long long desc_k = smem_descriptor_sw128(sK + wg * 64 * 128, 16, 1024);
-  const unsigned long long desc_v = smem_descriptor_sw128(sV + wg * 64 * 128, 16, 1024);
-  const unsigned long long desc_q = smem_descriptor_sw128(sQ, 16, 1024);
-  const unsigned long long desc_q_mn = smem_descriptor_sw128(sQ, kBlockM * 128, 1024);
+  // This consumer's share: the keys of its Sᵀ and dPᵀ from key0 of the block (64 of them), their
+  // queries from query0 of the tile (kSQueries), and the head-dim columns of its dK, dV and dQ from
+  // col0 (kDCols).
+  const int key0 = kSplitHead ? 0 : 64 * wg, query0 = kSplitHead ? kSQueries * wg : 0;
+  const int col0 = kSplitHead ? kDCols * wg : 0;
+  // Descriptors (128-byte swizzle). K-major: this consumer's K and V rows as A (atoms kBlockN rows
+  // apart), Q and dO rows as B (atoms kBlockM rows apart); a k16 step over the head dim moves 32
+  // bytes in an atom, or to the next atom every 4 steps; Pᵀ and dSᵀ as A of dV and dK (split head).
+  // MN-major (LBO: the next atom across N or M, SBO: 8 rows of 128 bytes): Q and dO (from column
+  // col0) as B of dK and dV, dSᵀ as A and K (from col0) as B of dQ; a k16 step is 16 rows, 2048 bytes.
+  const unsigned long long desc_k = smem_descriptor_sw128(sK + key0 * 128, 16, 1024);
+  const unsigned long long desc_v = smem_descriptor_sw128(sV + key0 * 128, 16, 1024);
+  const unsigned long long desc_q = smem_descriptor_sw128(sQ + query0 * 128, 16, 1024);
+  const unsigned long long desc_q_mn = smem_descriptor_sw128(sQ + col0 / 64 * kBlockM * 128, kBlockM * 128, 1024);
   const unsigned long long desc_ds = smem_descriptor_sw128(sDs, kDsBytes, 1024);
-  const unsigned long long desc_k_mn = smem_descriptor_sw128(sK, kBlockN * 128, 1024);
+  const unsigned long long desc_ds_k = smem_descriptor_sw128(sDs, 16, 1024);
+  const unsigned long long desc_k_mn = smem_descriptor_sw128(sK + col0 / 64 * kBlockN * 128, kBlockN * 128, 1024);
 
   float dk[kDAcc], dv[kDAcc];
 #pragma unroll
@@ -243,20 +266,21 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kBlockM>::ss(st, desc_k + k_major_step(kk, kBlockN), desc_q + slot_q + k_major_step(kk, kBlockM), kk > 0);
+      Wgmma<T, kSQueries>::ss(st, desc_k + k_major_step(kk, kBlockN), desc_q + slot_q + k_major_step(kk, kBlockM),
+                              kk > 0);
     }
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kBlockM>::ss(dpt, desc_v + k_major_step(kk, kBlockN), desc_q + slot_do + k_major_step(kk, kBlockM),
-                            kk > 0);
+      Wgmma<T, kSQueries>::ss(dpt, desc_v + k_major_step(kk, kBlockN), desc_q + slot_do + k_major_step(kk, kBlockM),
+                              kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
     pin_registers(st);
     pin_registers(dpt);
 
-    // Pᵀ and dSᵀ in place: accumulator 4 nt + 2 hf + e holds key j = n0 + 64 wg + key_in_wg + 8 hf,
-    // query i = m0 + 8 nt + 2 (lane % 4) + e.
+    // Pᵀ and dSᵀ in place: accumulator 4 nt + 2 hf + e holds key j = n0 + key0 + key_in_wg + 8 hf,
+    // query i = m0 + query0 + 8 nt + 2 (lane % 4) + e.
     // This tile's first LSE and D values in their boxes (which start on 16-byte boundaries).
     const unsigned lse_rows = sRows + s * kRowsBytes + 4 * (row_index(p.lse_stride_b, p.lse_stride_h, hq, m0) & 3);
     const unsigned delta_rows =
@@ -265,8 +289,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     // (called with a constant, inlined: each call site compiles its own loop)
     auto softmax_gradient = [&](bool masked) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockM / 8; ++nt) {
-        const int il = 8 * nt + 2 * (lane % 4);
+      for (int nt = 0; nt < kSQueries / 8; ++nt) {
+        const int il = query0 + 8 * nt + 2 * (lane % 4);
         const float lse2[2] = {__uint_as_float(ld_shared_b32(lse_rows + 4 * il)) * kLog2e,
                                __uint_as_float(ld_shared_b32(lse_rows + 4 * il + 4)) * kLog2e};
         const float delta2[2] = {__uint_as_float(ld_shared_b32(delta_rows + 4 * il)),
@@ -276,7 +300,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
           const int idx = 4 * nt + r, e = r % 2;
           bool visible = true;
           if (masked) {
-            const int j = n0 + 64 * wg + key_in_wg + 8 * (r / 2), i = m0 + il + e;
+            const int j = n0 + key0 + key_in_wg + 8 * (r / 2), i = m0 + il + e;
             visible = i < seqlen_q && j < seqlen_k && (left < 0 || j >= i + offset - left) &&
                       (right < 0 || j <= i + offset + right);
           }
@@ -300,59 +324,32 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
       softmax_gradient(true);
     }
 
-    // Packed as A operands (k16 step kk: accumulators 8 kk .. 8 kk + 7, queries 16 kk ..); dSᵀ also
-    // into this tile's buffer, row = key (this warpgroup's 64), 128-byte swizzle.
+    // Packed as A operands (k16 step kk: accumulators 8 kk .. 8 kk + 7, queries query0 + 16 kk ..);
+    // dSᵀ (split head: and Pᵀ) also into this tile's buffer, row = key, 128-byte swizzle.
     unsigned pa[kQuerySteps][4], dsa[kQuerySteps][4];
-    const unsigned ds_buf = sDs + (t % 2) * kDsBytes;
+    const unsigned ds_buf = sDs + (t % 2) * kTileBufBytes, pt_buf = ds_buf + kDsBytes;
 #pragma unroll
     for (int kk = 0; kk < kQuerySteps; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         pa[kk][r] = pack2<T>(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
         dsa[kk][r] = pack2<T>(dpt[8 * kk + 2 * r], dpt[8 * kk + 2 * r + 1]);
-        const int row = 64 * wg + key_in_wg + 8 * (r % 2), chunk = 2 * kk + r / 2;  // 16-byte chunk = 8 queries
+        const int row = key0 + key_in_wg + 8 * (r % 2), chunk = query0 / 8 + 2 * kk + r / 2;  // 16-byte chunk = 8 queries
         st_shared_b32(ds_buf + sw128_offset(row, chunk) + (lane % 4) * 4, dsa[kk][r]);
+        if constexpr (kSplitHead) st_shared_b32(pt_buf + sw128_offset(row, chunk) + (lane % 4) * 4, pa[kk][r]);
       }
-    wgmma_fence();  // Pᵀ and dSᵀ were written by ordinary instructions
-#pragma unroll
-    for (int kk = 0; kk < kQuerySteps; ++kk) {
-      Wgmma<T, kHeadDim>::rs_b_mn_major(dv, pa[kk], desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kQuerySteps; ++kk) {
-      Wgmma<T, kHeadDim>::rs_b_mn_major(dk, dsa[kk], desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
-    }
-    wgmma_commit();
-    fence_proxy_async_shared();  // this thread's dSᵀ stores, before the other warpgroup's dQ reads them
-    named_barrier_sync(kBwdDsBarrier, 256);
-    // dV and dK done: the slot's Q and dO are free, and so are the A registers (Pᵀ, dSᵀ), for dQ's
-    // accumulators.
-    wgmma_wait<0>();
-    pin_registers(dk);
-    pin_registers(dv);
-    mbarrier_arrive_warp(empty(s));
-    if (wg == t % 2) {  // the warpgroups take turns with dQ
-      float dq[kDAcc];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) {
-        Wgmma<T, kHeadDim>::template ss<1, 1>(dq, desc_ds + (((t % 2) * kDsBytes + kk * 2048) >> 4),
-                                              desc_k_mn + ((kk * 2048) >> 4), kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin_registers(dq);
-      // Rows 16 (warp) + lane / 4 (+ 8) of the tile (key_in_wg is also this thread's query row),
-      // two columns per store or reduction.
+    // dQ of this tile (times the scale) into the float32 buffer. Rows 16 (warp) + lane / 4 (+ 8) of the
+    // tile (key_in_wg is also this thread's query row), two columns per store or reduction.
+    auto add_dq = [&](const float (&dq)[kDAcc]) {
       if constexpr (kDqBuffers > 0) {
         // Staged once warp 1 has read what tile t - kDqBuffers staged in the same buffer.
         const int buffer = t % kDqBuffers;
         if (t >= kDqBuffers) mbarrier_wait(dq_empty(buffer), (t / kDqBuffers - 1) & 1);
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const unsigned row = sDq + (buffer * kBlockM + key_in_wg + 8 * hf) * kDqRowBytes + 8 * (lane % 4);
+          const unsigned row = sDq + (buffer * kBlockM + key_in_wg + 8 * hf) * kDqRowBytes + 4 * col0 + 8 * (lane % 4);
 #pragma unroll
-          for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+          for (int nt = 0; nt < kDCols / 8; ++nt) {
             st_shared_v2_f32(row + 32 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
           }
         }
@@ -364,15 +361,78 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + key_in_wg + 8 * hf;
           if (i < seqlen_q) {
-            float* dq_row = dq_head + i * p.dq_accum_stride_s + 2 * (lane % 4);
+            float* dq_row = dq_head + i * p.dq_accum_stride_s + col0 + 2 * (lane % 4);
 #pragma unroll
-            for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-              if (8 * nt < p.headdim) {
+            for (int nt = 0; nt < kDCols / 8; ++nt) {
+              if (col0 + 8 * nt < p.headdim) {
                 atomic_add_f32x2(dq_row + 8 * nt, dq[4 * nt + 2 * hf] * p.scale, dq[4 * nt + 2 * hf + 1] * p.scale);
               }
             }
           }
         }
+      }
+    };
+    const unsigned long long tile_ds = desc_ds + (((t % 2) * kTileBufBytes) >> 4);
+    if constexpr (kSplitHead) {
+      // Both halves of Pᵀ and dSᵀ in shared memory, then this consumer's columns of dV, dK and dQ.
+      fence_proxy_async_shared();  // this thread's stores, before both consumers' wgmmas read them
+      named_barrier_sync(kBwdDsBarrier, 256);
+      const unsigned long long tile_pt = desc_ds_k + ((pt_buf - sDs) >> 4), tile_dst = desc_ds_k + ((ds_buf - sDs) >> 4);
+      float dq[kDAcc];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        Wgmma<T, kDCols>::template ss<0, 1>(dv, tile_pt + k_major_step(kk, kBlockN),
+                                            desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        Wgmma<T, kDCols>::template ss<0, 1>(dk, tile_dst + k_major_step(kk, kBlockN),
+                                            desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kKeySteps; ++kk) {
+        Wgmma<T, kDCols>::template ss<1, 1>(dq, tile_ds + ((kk * 2048) >> 4), desc_k_mn + ((kk * 2048) >> 4), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dK done: the slot's Q and dO are free
+      pin_registers(dk);
+      pin_registers(dv);
+      mbarrier_arrive_warp(empty(s));
+      wgmma_wait<0>();
+      pin_registers(dq);
+      add_dq(dq);
+    } else {
+      wgmma_fence();  // Pᵀ and dSᵀ were written by ordinary instructions
+#pragma unroll
+      for (int kk = 0; kk < kQuerySteps; ++kk) {
+        Wgmma<T, kDCols>::rs_b_mn_major(dv, pa[kk], desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kQuerySteps; ++kk) {
+        Wgmma<T, kDCols>::rs_b_mn_major(dk, dsa[kk], desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
+      }
+      wgmma_commit();
+      fence_proxy_async_shared();  // this thread's dSᵀ stores, before the other warpgroup's dQ reads them
+      named_barrier_sync(kBwdDsBarrier, 256);
+      // dV and dK done: the slot's Q and dO are free, and so are the A registers (Pᵀ, dSᵀ), for dQ's
+      // accumulators.
+      wgmma_wait<0>();
+      pin_registers(dk);
+      pin_registers(dv);
+      mbarrier_arrive_warp(empty(s));
+      if (wg == t % 2) {  // the warpgroups take turns with dQ
+        float dq[kDAcc];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKeySteps; ++kk) {
+          Wgmma<T, kDCols>::template ss<1, 1>(dq, tile_ds + ((kk * 2048) >> 4), desc_k_mn + ((kk * 2048) >> 4), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(dq);
+        add_dq(dq);
       }
     }
   }
@@ -382,11 +442,11 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   T* dv_out = static_cast<T*>(p.dv) + (kVarlen ? k_row0 * p.dv_stride_s : b * p.dv_stride_b) + h_kv * p.dv_stride_h;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int j = n0 + 64 * wg + key_in_wg + 8 * hf;
+    const int j = n0 + key0 + key_in_wg + 8 * hf;
     if (j >= seqlen_k) continue;
 #pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const int c = 8 * nt + 2 * (lane % 4);
+    for (int nt = 0; nt < kDCols / 8; ++nt) {
+      const int c = col0 + 8 * nt + 2 * (lane % 4);
       if (c < p.headdim) {
         *reinterpret_cast<unsigned*>(dk_out + j * p.dk_stride_s + c) =
             pack2<T>(dk[4 * nt + 2 * hf] * p.scale, dk[4 * nt + 2 * hf + 1] * p.scale);

@@ -21,7 +21,7 @@ gpu_attention = pytest.importorskip("gpu_attention_reference")
 
 # compiled head dims, and multiples of 8 between them that run padded
 HEADDIMS = [32, 64, 96, 128, 160, 192, 224, 256, 40, 80, 136, 200]
-SM90_HEADDIMS = [64, 128, 8, 32, 40, 96, 120]  # bwd_sm90 compiles 64 and 128
+SM90_HEADDIMS = [64, 128, 256, 8, 32, 40, 96, 120, 136, 192, 200]  # bwd_sm90 compiles 64, 128 and 256
 
 
 def _grads(q, k, v, dout, compute_dtype, kw):
@@ -123,7 +123,7 @@ def test_varlen_backward_matches_per_sequence_reference(dtype, headdim, lens, nh
 
 
 @settings(max_examples=80)
-@given(headdim=st.sampled_from([64, 128, 80, 32]), **_VARLEN)
+@given(headdim=st.sampled_from([64, 128, 256, 80, 32, 192]), **_VARLEN)
 def test_sm90_varlen_backward_matches_per_sequence_reference(dtype, headdim, lens, nheads_kv, group, causal, left,
                                                              right, softcap, seed):
     _requires_hopper()
@@ -203,7 +203,7 @@ def test_every_tile_row(headdim, tiles, monkeypatch, fresh_plans):
         _check(dict(zip(("dq", "dk", "dv"), grads)), ref, low, torch.float16)
 
 
-@pytest.mark.parametrize("headdim, dq_buffers", [(64, 0), (64, 1), (64, 2), (128, 0), (128, 1)])
+@pytest.mark.parametrize("headdim, dq_buffers", [(64, 0), (64, 1), (64, 2), (128, 0), (128, 1), (256, 0), (256, 1)])
 def test_sm90_every_dq_path(headdim, dq_buffers, monkeypatch, fresh_plans):
     """bwd_sm90's ways of adding dQ (DQ_BUFFERS: the consumers' own reductions, or staged for bulk
     reductions in one or two buffers), each forced: GQA, a window, ragged tails, more query tiles

@@ -13,7 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "cuda_src" / "common" / "wgmma.cuh"
 sys.path.insert(0, str(ROOT))
-from cuflash.kernels.fwd_sm90 import FP8_WGMMA_N, WGMMA_N  # noqa: E402  the N extents the kernels use
+from cuflash.kernels import bwd_sm90, fwd_sm90  # noqa: E402  the N extents the kernels use
+
+WGMMA_N = sorted(set(fwd_sm90.WGMMA_N) | set(bwd_sm90.WGMMA_N))
+FP8_WGMMA_N = fwd_sm90.FP8_WGMMA_N
 TYPES = {"half_t": "f16", "bfloat16_t": "bf16"}
 
 

@@ -1,10 +1,11 @@
 """bwd_sm90: the Hopper backward (cuda_src/bwd_sm90.cu): a TMA producer and two wgmma consumer
-warpgroups of 64 keys each, for compute capability 9.0 (compiled for sm_90a). It shares bwd_sm80's
-preprocess (delta), workspace (delta, the float32 dQ buffer) and dQ conversion; head dims up to 128,
-dense and varlen, causal, window, softcap, GQA. Deterministic gradients and larger head dims are
-bwd_sm80's (dispatch falls back to it). dQ reaches the float32 buffer by bulk reductions
-(cp.reduce.async.bulk) of each tile's rows at head dim 128, by the consumers' two-float reductions
-at 64 (DQ_BUFFERS)."""
+warpgroups, for compute capability 9.0 (compiled for sm_90a). Up to head dim 128 each consumer owns
+64 of a CTA's 128 keys; at 256 a CTA owns 64 keys and each consumer half the head dim of their dK,
+dV and dQ (the kernel's "split head"). It shares bwd_sm80's preprocess (delta), workspace (delta,
+the float32 dQ buffer) and dQ conversion; dense and varlen, causal, window, softcap, GQA.
+Deterministic gradients are bwd_sm80's (dispatch falls back to it). dQ reaches the float32 buffer
+by bulk reductions (cp.reduce.async.bulk) of each tile's rows at head dims 128 and 256, by the
+consumers' two-float reductions at 64 (DQ_BUFFERS)."""
 from __future__ import annotations
 
 import math
@@ -19,19 +20,37 @@ from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax
                       token_stride_fields)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable
 
-HEADDIMS = (64, 128)  # whole 128-byte swizzle rows; dK and dV (head dim / 2 registers each) fit up to 128
-BLOCK_M, BLOCK_N = 64, 128  # queries per tile, keys per CTA (64 per consumer warpgroup): the kernel's kBlockM, kBlockN
+# Whole 128-byte swizzle rows; a consumer's dK and dV (64 keys: head dim / 2 registers each) fit up
+# to 128, and at 256 with the head dim split between the consumers.
+HEADDIMS = (64, 128, 256)
+SPLIT_HEAD_FROM = 256  # the kernel's kSplitHead: the consumers split the head dim, not the keys
+BLOCK_M = 64  # queries per tile: the kernel's kBlockM
+# wgmma N extents beyond fwd_sm90's that the kernel instantiates (tools/gen_wgmma.py writes both):
+# Sᵀ and dPᵀ of half a tile's queries with the split head.
+WGMMA_N = (BLOCK_M // 2,)
 THREADS = 384  # producer and two consumer warpgroups
 # A tile's LSE and D values load by TMA in boxes that start on a 16-byte boundary (the hardware's
 # rule for the innermost coordinate): up to 3 values before the tile's first.
 ROWS_BOX = BLOCK_M + 4
 ROWS_BOX_BYTES = math.ceil(ROWS_BOX * 4 / 128) * 128  # each box on a 128-byte boundary (TMA's rule)
 # Q/dO slots in the ring, per compiled head dim.
-STAGES = {64: 2, 128: 2}
+STAGES = {64: 2, 128: 2, 256: 1}
 # How dQ reaches the float32 buffer, per compiled head dim: staged in shared memory (1 or 2 buffers)
 # for the producer's bulk reductions, one per query row, or (0) by the consumer's own two-float
-# reductions. Measured on H100 (benchmarks/NOTES-bwd_sm90.md).
-DQ_BUFFERS = {64: 0, 128: 1}
+# reductions. Measured on H100 (benchmarks/NOTES-bwd_sm90.md); at 256 the staging needs the
+# second slot's room.
+DQ_BUFFERS = {64: 0, 128: 1, 256: 1}
+
+
+def block_n(headdim: int) -> int:
+    """Keys per CTA (the kernel's kBlockN): 64 per consumer, or 64 shared by both with the split head."""
+    return 64 if headdim >= SPLIT_HEAD_FROM else 128
+
+
+def dq_row_floats(headdim: int) -> int:
+    """Floats per row of dQ's staging (the kernel's kDqRowBytes / 4): padded by 8 (4 with the split
+    head, where 8 do not fit) so that a half-warp's stores spread over the banks."""
+    return headdim + (4 if headdim >= SPLIT_HEAD_FROM else 8)
 
 _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do", "lse", "delta")]
            + [(name, np.uint64) for name in ("dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
@@ -48,12 +67,14 @@ PARAMS = ParamStruct(BWD_SM90_PARAMS)
 
 
 def smem_bytes(headdim: int, stages: int, dq_buffers: int) -> int:
-    """K and V (BLOCK_N rows), per stage Q, dO (BLOCK_M rows) and their LSE and D (ROWS_BOX_BYTES
-    each), two dSᵀ buffers (BLOCK_N x BLOCK_M), dQ's float32 staging rows (padded by 8 floats) per
-    buffer, the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
-    row = headdim * ELEMENT_BYTES
-    return (2 * BLOCK_N * row + stages * (2 * BLOCK_M * row + 2 * ROWS_BOX_BYTES) + 2 * BLOCK_N * BLOCK_M * ELEMENT_BYTES
-            + dq_buffers * BLOCK_M * (headdim + 8) * 4 + 8 * (1 + 2 * stages + 2 * dq_buffers) + 1024)
+    """K and V (block_n rows), per stage Q, dO (BLOCK_M rows) and their LSE and D (ROWS_BOX_BYTES
+    each), two tiles' dSᵀ (block_n x BLOCK_M; with the split head Pᵀ as well), dQ's float32 staging
+    rows (dq_row_floats) per buffer, the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
+    row, keys = headdim * ELEMENT_BYTES, block_n(headdim)
+    tile_buffers = 2 if headdim >= SPLIT_HEAD_FROM else 1
+    return (2 * keys * row + stages * (2 * BLOCK_M * row + 2 * ROWS_BOX_BYTES)
+            + 2 * tile_buffers * keys * BLOCK_M * ELEMENT_BYTES
+            + dq_buffers * BLOCK_M * dq_row_floats(headdim) * 4 + 8 * (1 + 2 * stages + 2 * dq_buffers) + 1024)
 
 
 @dataclass(frozen=True)
@@ -134,8 +155,9 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     if after is None:
         return before
     accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
+    keys = block_n(variant.headdim)
     maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, inputs[name], heads, rows)) for name, heads, rows in
-            (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, BLOCK_N), ("v", problem.nheads_kv, BLOCK_N))]
+            (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, keys), ("v", problem.nheads_kv, keys))]
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
     template = PARAMS.template(
@@ -144,7 +166,7 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
         headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
         **token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]),
         **row_stride_fields(problem, lse=inputs["lse"], delta=outputs["delta"]))
-    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.nheads_kv, problem.batch)
+    grid = (math.ceil(problem.seqlen_k / keys), problem.nheads_kv, problem.batch)
     dtype = problem.dtype
 
     def launch_prepared(inputs, outputs, stream) -> None:
@@ -171,8 +193,8 @@ FAMILY = Family(
     name="bwd_sm90",
     backend="sm90",
     ops=("attention_backward", "attention_varlen_backward"),
-    description="Hopper backward: TMA producer, two wgmma consumer warpgroups of 64 keys, dQ by float32 "
-                "reductions (bulk at head dim 128) (sm_90a)",
+    description="Hopper backward: TMA producer, two wgmma consumer warpgroups (64 keys each, or half the "
+                "head dim each at 256), dQ by float32 reductions (bulk at head dims 128 and 256) (sm_90a)",
     min_compute_capability=(9, 0),
     max_compute_capability=(9, 0),
     variants_for=variants_for,
