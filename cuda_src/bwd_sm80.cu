@@ -401,11 +401,14 @@ __global__ void __launch_bounds__(32 * kWarps, 1) bwd_sm80(const __grid_constant
   }
 }
 
-// dq = dq_accum in the input dtype: (batch, seqlen_q, heads, kHeadDim) float32 -> strided dq.
+// dq = dq_accum in the input dtype: float32 (strides accum_stride_b, _s, _h: bwd_sm80's (batch,
+// seqlen_q, heads, kHeadDim), bwd_sm90's tile-contiguous rows) -> strided dq. One thread per pair of
+// columns of the rows x kHeadDim it covers.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_sm80_dq(const float* __restrict__ dq_accum, T* __restrict__ dq, int rows,
-                                                   int nheads, int seqlen_q, int headdim, long long dq_stride_b,
-                                                   long long dq_stride_s, long long dq_stride_h) {
+                                                   int nheads, int seqlen_q, int headdim, long long accum_stride_b,
+                                                   long long accum_stride_s, long long accum_stride_h,
+                                                   long long dq_stride_b, long long dq_stride_s, long long dq_stride_h) {
   const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // one pair of columns
   const long long row = idx / (kHeadDim / 2);
   const int c = static_cast<int>(idx % (kHeadDim / 2)) * 2;
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(256) bwd_sm80_dq(const float* __restrict__ dq_
   const long long bs = row / nheads;
   const int s = static_cast<int>(bs % seqlen_q);
   const int b = static_cast<int>(bs / seqlen_q);
-  const float* src = dq_accum + row * kHeadDim + c;
+  const float* src = dq_accum + b * accum_stride_b + s * accum_stride_s + h * accum_stride_h + c;
   *reinterpret_cast<unsigned*>(dq + b * dq_stride_b + s * dq_stride_s + h * dq_stride_h + c) = pack2<T>(src[0], src[1]);
 }
 

@@ -14,8 +14,9 @@
 //                 16-byte boundary, so it holds up to 3 values before the tile's first) by TMA into a
 //                 kStages-deep ring, completing on the slot's "full" mbarrier; the consumers'
 //                 warps arrive on its "empty" one when done with it. With kDqBuffers > 0 warp 1
-//                 adds each tile's dQ, staged in shared memory by a consumer, to the float32 dQ
-//                 buffer with bulk reductions (cp.reduce.async.bulk, one per query row).
+//                 adds each tile's dQ, staged in shared memory by the consumers, to the float32 dQ
+//                 buffer with one bulk reduction (cp.reduce.async.bulk): the buffer's rows are laid
+//                 out as the staging's, each (batch, head)'s contiguous.
 //   warpgroups 1, 2  consumers, 64 keys each (setmaxnreg up), per query tile:
 //     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   wgmma SS, both operands K-major (M = 64 keys, N = 64 queries)
 //     Pᵀ = exp2(Sᵀ scale log2 e - LSE log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) with softcap),
@@ -27,7 +28,8 @@
 //     dQ = dS K                wgmma SS with both operands MN-major (dS from dSᵀ, K as loaded;
 //                              M = 64 queries, N = head dim, K = 128 keys), issued by one warpgroup,
 //                              the two taking turns tile by tile, times the softmax scale: staged
-//                              in shared memory for the producer's warp 1 to add (kDqBuffers > 0), or
+//                              in shared memory for the producer's warp 1 to add in one bulk
+//                              reduction a tile (kDqBuffers > 0), or
 //                              added by the consumer itself with two-float reductions (0).
 // Split head (head dim 256): both consumers see the block's 64 keys. Consumer w computes Sᵀ and
 // dPᵀ for queries 32 w .. 32 w + 31 of the tile (N = 32), and writes its half of Pᵀ and dSᵀ to
@@ -56,7 +58,10 @@ struct BwdSm90Params {
   // stride along the rows) and delta (rowsum(dout * out), laid out like lse): element
   // b * stride_b + h * stride_h + row.
   TmaMap lse_map, delta_map;
-  float* dq_accum;     // (rows of all sequences, heads, dq_accum_stride_h) float32, zeroed
+  // float32, zeroed: (batch, heads, seqlen_q) rows (varlen: (heads, total_q)) of dq_accum_stride_s
+  // floats (kDqRowBytes / 4: the head dim and the staging's padding), then kBlockM spare rows, so
+  // that a tile's 64 rows are one contiguous block of the staging's layout.
+  float* dq_accum;
   void* dk;
   void* dv;
   const int* cu_seqlens_q;  // varlen only
@@ -65,8 +70,8 @@ struct BwdSm90Params {
   long long dv_stride_b, dv_stride_s, dv_stride_h;
   long long lse_stride_b, lse_stride_h;
   long long delta_stride_b, delta_stride_h;
-  long long dq_accum_stride_s;  // floats per query row: heads * dq_accum_stride_h
-  int dq_accum_stride_h;
+  long long dq_accum_stride_b, dq_accum_stride_h;  // in floats; batch unused for varlen
+  int dq_accum_stride_s;
   int seqlen_q, seqlen_k;  // dense: the lengths; varlen: the maxima (each sequence reads its own)
   int group, headdim, window_left, window_right;
   float scale;             // softmax_scale
@@ -97,7 +102,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   // dQ's staging rows, padded: a warp's 64-bit stores go out as two half-warps of 4 rows x 8 floats,
   // whose rows then start 8 banks apart and take all 32 banks once. At head dim 256 the 8 floats
   // do not fit beside the rest (one slot); 4 do, at two banks' conflicts per half-warp.
-  constexpr unsigned kDqRowBytes = (kHeadDim + (kSplitHead ? 4 : 8)) * 4;
+  constexpr int kDqPad = kSplitHead ? 4 : 8;
+  constexpr unsigned kDqRowBytes = (kHeadDim + kDqPad) * 4;
   using Split = RegisterSplit<2>;
   constexpr int kSQueries = kSplitHead ? kBlockM / 2 : kBlockM;  // queries (N) of a consumer's Sᵀ and dPᵀ
   constexpr int kDCols = kSplitHead ? kHeadDim / 2 : kHeadDim;   // head-dim columns of its dK, dV, dQ
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   auto tile_head = [&](int t) { return h_kv * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return m_first + (t % m_count) * kBlockM; };
   // This sequence's first row of the float32 dQ buffer.
-  float* const dq_rows = p.dq_accum + (kVarlen ? q_row0 : static_cast<long long>(b) * seqlen_q) * p.dq_accum_stride_s;
+  float* const dq_rows = p.dq_accum + (kVarlen ? static_cast<long long>(q_row0) * p.dq_accum_stride_s : b * p.dq_accum_stride_b);
   // Where row m0 of query head hq is in lse or delta (given their strides), as the rank-1 maps index it.
   auto row_index = [&](long long stride_b, long long stride_h, int hq, int m0) {
     return static_cast<int>((kVarlen ? q_row0 : b * stride_b) + hq * stride_h + m0);
@@ -206,20 +212,24 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         tma_load_1d(rows + kRowsBoxBytes, &p.delta_map, full(s), row_index(p.delta_stride_b, p.delta_stride_h, hq, m0) & ~3);
       }
     } else if (kDqBuffers > 0 && warp == 1) {
+      // The staging rows' padding, added to dq_accum's with the rest: zeros, written once.
+      for (int i = lane; i < kDqBuffers * kBlockM * (kDqPad / 2); i += 32) {
+        const int row = i / (kDqPad / 2), pair = i % (kDqPad / 2);
+        st_shared_v2_f32(sDq + row * kDqRowBytes + 4 * kHeadDim + 8 * pair, 0.f, 0.f);
+      }
+      fence_proxy_async_shared();  // before this warp's bulk reductions read them
 #pragma unroll 1
       for (int t = 0; t < tiles; ++t) {
         const int buffer = t % kDqBuffers, hq = tile_head(t), m0 = tile_m0(t);
         mbarrier_wait(dq_full(buffer), (t / kDqBuffers) & 1);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = lane + 32 * half, i = m0 + r;
-          if (i < seqlen_q) {
-            bulk_reduce_add_f32(dq_rows + i * p.dq_accum_stride_s + hq * p.dq_accum_stride_h,
-                                sDq + (buffer * kBlockM + r) * kDqRowBytes, 4 * p.headdim);
-          }
+        // The tile's rows in one reduction: dq_accum's rows are laid out as the staging's. Rows past
+        // the sequence add zeros (no key is visible to them) to the next rows or the spare ones.
+        if (lane == 0) {
+          bulk_reduce_add_f32(dq_rows + hq * p.dq_accum_stride_h + static_cast<long long>(m0) * p.dq_accum_stride_s,
+                              sDq + buffer * kBlockM * kDqRowBytes, kBlockM * kDqRowBytes);
+          bulk_commit();
+          bulk_wait_read<0>();
         }
-        bulk_commit();
-        bulk_wait_read<0>();
         mbarrier_arrive_warp(dq_empty(buffer));
       }
       bulk_wait<0>();  // the additions are complete before the kernel ends
@@ -361,7 +371,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + key_in_wg + 8 * hf;
           if (i < seqlen_q) {
-            float* dq_row = dq_head + i * p.dq_accum_stride_s + col0 + 2 * (lane % 4);
+            float* dq_row = dq_head + static_cast<long long>(i) * p.dq_accum_stride_s + col0 + 2 * (lane % 4);
 #pragma unroll
             for (int nt = 0; nt < kDCols / 8; ++nt) {
               if (col0 + 8 * nt < p.headdim) {

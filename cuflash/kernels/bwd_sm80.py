@@ -161,14 +161,27 @@ def _query_rows(problem) -> int:
     return problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
 
 
+def delta_shape(problem) -> tuple[int, ...]:
+    """delta = rowsum(dout * out), laid out like lse."""
+    return (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads, problem.seqlen_q)
+
+
+def dq_accum_spec(problem) -> tuple[tuple[int, ...], str]:
+    """The float32 dQ buffer, which both backward families take (kernels.workspace keeps one buffer
+    per name) and lay out each its own way (accumulator_strides here, bwd_sm90's there): as many
+    floats as the larger layout needs (bwd_sm90's only where it may run: not deterministic)."""
+    from . import bwd_sm90  # (which builds on this module)
+
+    floats = _query_rows(problem) * problem.nheads * accumulator_headdim(problem)
+    if not problem.deterministic:
+        floats = max(floats, bwd_sm90.accumulator_floats(problem))
+    return (floats,), "float32"
+
+
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """delta (laid out like lse), the float32 dQ accumulator (rows, heads, compiled head dim) and,
-    when deterministic, the per-query-block semaphores (for 16-query blocks, the smallest)."""
-    rows_q = _query_rows(problem)
-    lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
-                                                                         problem.seqlen_q)
-    buffers = dict(delta=(lse_shape, "float32"),
-                   dq_accum=((rows_q, problem.nheads, accumulator_headdim(problem)), "float32"))
+    """delta, the float32 dQ buffer (rows, heads, compiled head dim here) and, when deterministic,
+    the per-query-block semaphores (for 16-query blocks, the smallest)."""
+    buffers = dict(delta=(delta_shape(problem), "float32"), dq_accum=dq_accum_spec(problem))
     if problem.deterministic:
         buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
     return buffers
@@ -182,12 +195,13 @@ def _zero(stream, *arrays_: DeviceArray, itemsize: int) -> None:
             cupy.cuda.runtime.memsetAsync(x.ptr, 0, math.prod(x.shape) * itemsize, stream.ptr)
 
 
-def backward_steps(problem, inputs, outputs):
+def backward_steps(problem, inputs, outputs, accum_strides: tuple[int, int, int]):
     """The steps around a backward kernel (bwd_sm80's and bwd_sm90's), prepared for arrays laid out
     as these: (before, after). before(inputs, outputs, stream) zeroes the float32 dQ buffer (and the
     semaphores) and computes delta = rowsum(dout * out); after(outputs, stream) writes dq from the
-    dQ buffer (after the main kernel). When there is nothing to compute, before zeroes the
-    gradients (the outputs are contiguous) and after is None: the kernel must not run."""
+    dQ buffer, whose (batch, row, head) strides in floats are accum_strides (after the main kernel).
+    When there is nothing to compute, before zeroes the gradients (the outputs are contiguous) and
+    after is None: the kernel must not run."""
     if _query_rows(problem) * problem.nheads == 0 or math.prod(outputs["dk"].shape) == 0:
         def nothing(inputs, outputs, stream) -> None:  # no query sees a key (or there are none)
             _zero(stream, outputs["dq"], outputs["dk"], outputs["dv"], itemsize=ELEMENT_BYTES)
@@ -209,7 +223,7 @@ def backward_steps(problem, inputs, outputs):
         _zero(stream, *(outputs[n] for n in zeroed), itemsize=4)
         preprocess(pre_inputs(inputs), dict(delta=outputs["delta"]), stream)
 
-    return before, _convert_dq(problem, outputs)
+    return before, _convert_dq(problem, outputs, accum_strides)
 
 
 def accumulator_headdim(problem) -> int:
@@ -218,15 +232,23 @@ def accumulator_headdim(problem) -> int:
     return compiled_headdim(problem.headdim, HEADDIMS)
 
 
-def _convert_dq(problem, outputs):
-    """after(outputs, stream): dq = the float32 dQ buffer in the input dtype (after the main kernel)."""
+def accumulator_strides(problem) -> tuple[int, int, int]:
+    """(batch, row, head) strides in floats of this family's dQ buffer (workspace); varlen sequences
+    are one batch of total_q rows."""
+    headdim, seqlen = accumulator_headdim(problem), problem.total_q if problem.varlen else problem.seqlen_q
+    return seqlen * problem.nheads * headdim, problem.nheads * headdim, headdim
+
+
+def _convert_dq(problem, outputs, accum_strides):
+    """after(outputs, stream): dq = the float32 dQ buffer (strides accum_strides) in the input dtype
+    (after the main kernel)."""
     headdim = accumulator_headdim(problem)
     rows_q = _query_rows(problem)
     grid = (math.ceil(rows_q * problem.nheads * (headdim // 2) / 256),)
     function = jit.get_function(BwdSm80DqVariant(problem.dtype, headdim), problem.device.index)
     sizes = (np.int32(rows_q * problem.nheads), np.int32(problem.nheads),
              np.int32(problem.total_q if problem.varlen else problem.seqlen_q), np.int32(problem.headdim),
-             *(np.int64(s) for s in token_strides(problem, outputs["dq"])))
+             *(np.int64(s) for s in accum_strides), *(np.int64(s) for s in token_strides(problem, outputs["dq"])))
 
     def after(outputs, stream) -> None:
         function(grid, (256,), (np.uint64(outputs["dq_accum"].ptr), np.uint64(outputs["dq"].ptr), *sizes), stream=stream)
@@ -237,7 +259,7 @@ def _convert_dq(problem, outputs):
 def prepare(variant: BwdSm80Variant, function, problem, inputs, outputs):
     """Family.prepare: the steps around the kernel (backward_steps), its grid and its parameter struct
     without addresses, made once; each launch writes the addresses in."""
-    before, after = backward_steps(problem, inputs, outputs)
+    before, after = backward_steps(problem, inputs, outputs, accumulator_strides(problem))
     if after is None:
         return before
     template = PARAMS.template(

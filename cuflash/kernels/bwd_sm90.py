@@ -1,11 +1,10 @@
 """bwd_sm90: the Hopper backward (cuda_src/bwd_sm90.cu): a TMA producer and two wgmma consumer
 warpgroups, for compute capability 9.0 (compiled for sm_90a). Up to head dim 128 each consumer owns
 64 of a CTA's 128 keys; at 256 a CTA owns 64 keys and each consumer half the head dim of their dK,
-dV and dQ (the kernel's "split head"). It shares bwd_sm80's preprocess (delta), workspace (delta,
-the float32 dQ buffer) and dQ conversion; dense and varlen, causal, window, softcap, GQA.
-Deterministic gradients are bwd_sm80's (dispatch falls back to it). dQ reaches the float32 buffer
-by bulk reductions (cp.reduce.async.bulk) of each tile's rows at head dims 128 and 256, by the
-consumers' two-float reductions at 64 (DQ_BUFFERS)."""
+dV and dQ (the kernel's "split head"). It shares bwd_sm80's preprocess (delta) and dQ conversion;
+dense and varlen, causal, window, softcap, GQA. Deterministic gradients are bwd_sm80's (dispatch
+falls back to it). Its float32 dQ buffer keeps each (batch, head)'s rows contiguous, so that a
+tile's staged rows reach it in one bulk reduction (cp.reduce.async.bulk; DQ_BUFFERS)."""
 from __future__ import annotations
 
 import math
@@ -15,7 +14,7 @@ import numpy as np
 
 from .. import tma
 from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, fwd_sm90
-from .bwd_sm80 import accumulator_headdim, backward_steps, workspace
+from .bwd_sm80 import backward_steps, delta_shape, dq_accum_spec
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable
@@ -36,10 +35,10 @@ ROWS_BOX_BYTES = math.ceil(ROWS_BOX * 4 / 128) * 128  # each box on a 128-byte b
 # Q/dO slots in the ring, per compiled head dim.
 STAGES = {64: 2, 128: 2, 256: 1}
 # How dQ reaches the float32 buffer, per compiled head dim: staged in shared memory (1 or 2 buffers)
-# for the producer's bulk reductions, one per query row, or (0) by the consumer's own two-float
-# reductions. Measured on H100 (benchmarks/NOTES-bwd_sm90.md); at 256 the staging needs the
-# second slot's room.
-DQ_BUFFERS = {64: 0, 128: 1, 256: 1}
+# for the producer's bulk reduction, one per tile, or (0) by the consumers' own two-float
+# reductions. Measured on H100 (benchmarks/NOTES-bwd_sm90.md); at 256 the staging needs the second
+# slot's room.
+DQ_BUFFERS = {64: 1, 128: 1, 256: 1}
 
 
 def block_n(headdim: int) -> int:
@@ -56,13 +55,13 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do"
            + [(name, np.uint64) for name in ("dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
            + [(f"{t}_stride_{d}", np.int64) for t in ("dk", "dv") for d in ("b", "s", "h")]
            + [(f"{t}_stride_{d}", np.int64) for t in ("lse", "delta") for d in ("b", "h")]
-           + [("dq_accum_stride_s", np.int64)]
-           + [(name, np.int32) for name in ("dq_accum_stride_h", "seqlen_q", "seqlen_k", "group", "headdim",
+           + [("dq_accum_stride_b", np.int64), ("dq_accum_stride_h", np.int64)]
+           + [(name, np.int32) for name in ("dq_accum_stride_s", "seqlen_q", "seqlen_k", "group", "headdim",
                                             "window_left", "window_right")]
            + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")])
 # The kernel's BwdSm90Params, field for field (its size padded to the maps' 64-byte alignment).
 BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 960})
-assert BWD_SM90_PARAMS.fields["softcap"][1] == 936, "keep in step with BwdSm90Params"
+assert BWD_SM90_PARAMS.fields["softcap"][1] == 944, "keep in step with BwdSm90Params"
 PARAMS = ParamStruct(BWD_SM90_PARAMS)
 
 
@@ -136,6 +135,28 @@ def select(problem, inputs) -> BwdSm90Variant:
                           problem.softcap > 0)
 
 
+def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
+    """bwd_sm80's delta and dQ buffer (dq_accum_spec), which this family lays out as
+    accumulator_strides says."""
+    return dict(delta=(delta_shape(problem), "float32"), dq_accum=dq_accum_spec(problem))
+
+
+def accumulator_floats(problem) -> int:
+    """The dQ buffer's floats in this family's layout: every (batch, head)'s query rows contiguous,
+    each of dq_row_floats (the staging's layout, so that a tile adds in one bulk reduction), and
+    BLOCK_M spare rows for the last tile's rows past the end."""
+    rows = problem.nheads * (problem.total_q if problem.varlen else problem.batch * problem.seqlen_q)
+    return (rows + BLOCK_M) * dq_row_floats(compiled_headdim(problem.headdim, HEADDIMS))
+
+
+def accumulator_strides(problem) -> tuple[int, int, int]:
+    """(batch, row, head) strides in floats of the dQ buffer (workspace); varlen sequences are one
+    batch of total_q rows."""
+    row_floats = dq_row_floats(compiled_headdim(problem.headdim, HEADDIMS))
+    seqlen = problem.total_q if problem.varlen else problem.seqlen_q
+    return problem.nheads * seqlen * row_floats, row_floats, seqlen * row_floats
+
+
 def _rows_extent(array) -> int:
     """Elements from the first of a per-query-row float32 array (lse, delta) to one past its last."""
     return 1 + sum((n - 1) * s for n, s in zip(array.shape, array.strides)) if math.prod(array.shape) else 0
@@ -151,17 +172,17 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     """Family.prepare: the steps around the kernel (bwd_sm80.backward_steps), its grid, its tensor maps'
     layouts and its parameter struct without addresses, made once; each launch writes the addresses
     in and looks the maps up by address."""
-    before, after = backward_steps(problem, inputs, outputs)
+    accum_b, accum_s, accum_h = accumulator_strides(problem)  # dq_accum is contiguous (workspace)
+    before, after = backward_steps(problem, inputs, outputs, (accum_b, accum_s, accum_h))
     if after is None:
         return before
-    accum_headdim = accumulator_headdim(problem)  # dq_accum is contiguous (workspace)
     keys = block_n(variant.headdim)
     maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, inputs[name], heads, rows)) for name, heads, rows in
             (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, keys), ("v", problem.nheads_kv, keys))]
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
     template = PARAMS.template(
-        dq_accum_stride_s=problem.nheads * accum_headdim, dq_accum_stride_h=accum_headdim,
+        dq_accum_stride_b=accum_b, dq_accum_stride_s=accum_s, dq_accum_stride_h=accum_h,
         seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
         headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
         **token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]),
@@ -194,7 +215,7 @@ FAMILY = Family(
     backend="sm90",
     ops=("attention_backward", "attention_varlen_backward"),
     description="Hopper backward: TMA producer, two wgmma consumer warpgroups (64 keys each, or half the "
-                "head dim each at 256), dQ by float32 reductions (bulk at head dims 128 and 256) (sm_90a)",
+                "head dim each at 256), dQ by one float32 bulk reduction a tile (sm_90a)",
     min_compute_capability=(9, 0),
     max_compute_capability=(9, 0),
     variants_for=variants_for,
