@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
         const int row = i / (kDqPad / 2), pair = i % (kDqPad / 2);
         st_shared_v2_f32(sDq + row * kDqRowBytes + 4 * kHeadDim + 8 * pair, 0.f, 0.f);
       }
-      fence_proxy_async_shared();  // before this warp's bulk reductions read them
+      fence_proxy_async_shared();  // before this warp's bulk reductions (issued by lane 0) read them
+      __syncwarp();
 #pragma unroll 1
       for (int t = 0; t < tiles; ++t) {
         const int buffer = t % kDqBuffers, hq = tile_head(t), m0 = tile_m0(t);

@@ -169,11 +169,14 @@ def delta_shape(problem) -> tuple[int, ...]:
 def dq_accum_spec(problem) -> tuple[tuple[int, ...], str]:
     """The float32 dQ buffer, which both backward families take (kernels.workspace keeps one buffer
     per name) and lay out each its own way (accumulator_strides here, bwd_sm90's there): as many
-    floats as the larger layout needs (bwd_sm90's only where it may run: not deterministic)."""
+    floats as the larger layout needs, bwd_sm90's only where it may run (its GPU and backend, not
+    deterministic)."""
     from . import bwd_sm90  # (which builds on this module)
 
     floats = _query_rows(problem) * problem.nheads * accumulator_headdim(problem)
-    if not problem.deterministic:
+    sm90 = bwd_sm90.FAMILY
+    if (not problem.deterministic and problem.backend in (None, sm90.backend)
+            and sm90.runs_on(jit.device_compute_capability(problem.device.index))):
         floats = max(floats, bwd_sm90.accumulator_floats(problem))
     return (floats,), "float32"
 

@@ -22,7 +22,6 @@ from .fwd_sm90 import SMEM_LIMIT, check_loadable
 # Whole 128-byte swizzle rows; a consumer's dK and dV (64 keys: head dim / 2 registers each) fit up
 # to 128, and at 256 with the head dim split between the consumers.
 HEADDIMS = (64, 128, 256)
-SPLIT_HEAD_FROM = 256  # the kernel's kSplitHead: the consumers split the head dim, not the keys
 BLOCK_M = 64  # queries per tile: the kernel's kBlockM
 # wgmma N extents beyond fwd_sm90's that the kernel instantiates (tools/gen_wgmma.py writes both):
 # Sᵀ and dPᵀ of half a tile's queries with the split head.
@@ -41,15 +40,22 @@ STAGES = {64: 2, 128: 2, 256: 1}
 DQ_BUFFERS = {64: 1, 128: 1, 256: 1}
 
 
+def split_head(headdim: int) -> bool:
+    """The kernel's kSplitHead: the consumers split the head dim, not the keys (dK and dV of 64 keys
+    do not fit a consumer's registers beyond 128)."""
+    return headdim > 128
+
+
 def block_n(headdim: int) -> int:
     """Keys per CTA (the kernel's kBlockN): 64 per consumer, or 64 shared by both with the split head."""
-    return 64 if headdim >= SPLIT_HEAD_FROM else 128
+    return 64 if split_head(headdim) else 128
 
 
 def dq_row_floats(headdim: int) -> int:
     """Floats per row of dQ's staging (the kernel's kDqRowBytes / 4): padded by 8 (4 with the split
     head, where 8 do not fit) so that a half-warp's stores spread over the banks."""
-    return headdim + (4 if headdim >= SPLIT_HEAD_FROM else 8)
+    return headdim + (4 if split_head(headdim) else 8)
+
 
 _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do", "lse", "delta")]
            + [(name, np.uint64) for name in ("dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
@@ -70,7 +76,7 @@ def smem_bytes(headdim: int, stages: int, dq_buffers: int) -> int:
     each), two tiles' dSᵀ (block_n x BLOCK_M; with the split head Pᵀ as well), dQ's float32 staging
     rows (dq_row_floats) per buffer, the mbarriers; + 1 KiB to round the base up to 1024 bytes."""
     row, keys = headdim * ELEMENT_BYTES, block_n(headdim)
-    tile_buffers = 2 if headdim >= SPLIT_HEAD_FROM else 1
+    tile_buffers = 2 if split_head(headdim) else 1
     return (2 * keys * row + stages * (2 * BLOCK_M * row + 2 * ROWS_BOX_BYTES)
             + 2 * tile_buffers * keys * BLOCK_M * ELEMENT_BYTES
             + dq_buffers * BLOCK_M * dq_row_floats(headdim) * 4 + 8 * (1 + 2 * stages + 2 * dq_buffers) + 1024)
