@@ -161,11 +161,6 @@ def _query_rows(problem) -> int:
     return problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
 
 
-def delta_shape(problem) -> tuple[int, ...]:
-    """delta = rowsum(dout * out), laid out like lse."""
-    return (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads, problem.seqlen_q)
-
-
 def dq_accum_spec(problem) -> tuple[tuple[int, ...], str]:
     """The float32 dQ buffer, which both backward families take (kernels.workspace keeps one buffer
     per name) and lay out each its own way (accumulator_strides here, bwd_sm90's there): as many
@@ -182,9 +177,12 @@ def dq_accum_spec(problem) -> tuple[tuple[int, ...], str]:
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """delta, the float32 dQ buffer (rows, heads, compiled head dim here) and, when deterministic,
-    the per-query-block semaphores (for 16-query blocks, the smallest)."""
-    buffers = dict(delta=(delta_shape(problem), "float32"), dq_accum=dq_accum_spec(problem))
+    """Family.workspace of both backward families: delta (laid out like lse), the float32 dQ buffer
+    (dq_accum_spec) and, when deterministic, the per-query-block semaphores (for 16-query blocks,
+    the smallest)."""
+    lse_shape = (problem.nheads, problem.total_q) if problem.varlen else (problem.batch, problem.nheads,
+                                                                         problem.seqlen_q)
+    buffers = dict(delta=(lse_shape, "float32"), dq_accum=dq_accum_spec(problem))
     if problem.deterministic:
         buffers["dq_semaphore"] = ((problem.batch, problem.nheads, math.ceil(problem.seqlen_q / 16)), "int32")
     return buffers

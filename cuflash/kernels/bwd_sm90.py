@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import tma
 from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, fwd_sm90
-from .bwd_sm80 import backward_steps, delta_shape, dq_accum_spec
+from .bwd_sm80 import backward_steps, workspace
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable
@@ -141,26 +141,21 @@ def select(problem, inputs) -> BwdSm90Variant:
                           problem.softcap > 0)
 
 
-def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
-    """bwd_sm80's delta and dQ buffer (dq_accum_spec), which this family lays out as
-    accumulator_strides says."""
-    return dict(delta=(delta_shape(problem), "float32"), dq_accum=dq_accum_spec(problem))
-
-
-def accumulator_floats(problem) -> int:
-    """The dQ buffer's floats in this family's layout: every (batch, head)'s query rows contiguous,
-    each of dq_row_floats (the staging's layout, so that a tile adds in one bulk reduction), and
-    BLOCK_M spare rows for the last tile's rows past the end."""
-    rows = problem.nheads * (problem.total_q if problem.varlen else problem.batch * problem.seqlen_q)
-    return (rows + BLOCK_M) * dq_row_floats(compiled_headdim(problem.headdim, HEADDIMS))
-
-
 def accumulator_strides(problem) -> tuple[int, int, int]:
-    """(batch, row, head) strides in floats of the dQ buffer (workspace); varlen sequences are one
-    batch of total_q rows."""
+    """(batch, row, head) strides in floats of this family's layout of the dQ buffer (bwd_sm80's
+    workspace): every (batch, head)'s query rows contiguous, each of dq_row_floats (the staging's
+    layout, so that a tile adds in one bulk reduction); varlen sequences are one batch of total_q
+    rows."""
     row_floats = dq_row_floats(compiled_headdim(problem.headdim, HEADDIMS))
     seqlen = problem.total_q if problem.varlen else problem.seqlen_q
     return problem.nheads * seqlen * row_floats, row_floats, seqlen * row_floats
+
+
+def accumulator_floats(problem) -> int:
+    """The dQ buffer's floats in this family's layout: every batch's rows (varlen: one), and BLOCK_M
+    spare rows for the last tile's rows past the end."""
+    stride_b, stride_s, _ = accumulator_strides(problem)
+    return (1 if problem.varlen else problem.batch) * stride_b + BLOCK_M * stride_s
 
 
 def _rows_extent(array) -> int:
@@ -178,8 +173,8 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     """Family.prepare: the steps around the kernel (bwd_sm80.backward_steps), its grid, its tensor maps'
     layouts and its parameter struct without addresses, made once; each launch writes the addresses
     in and looks the maps up by address."""
-    accum_b, accum_s, accum_h = accumulator_strides(problem)  # dq_accum is contiguous (workspace)
-    before, after = backward_steps(problem, inputs, outputs, (accum_b, accum_s, accum_h))
+    accum_strides = accumulator_strides(problem)  # dq_accum is contiguous (workspace)
+    before, after = backward_steps(problem, inputs, outputs, accum_strides)
     if after is None:
         return before
     keys = block_n(variant.headdim)
@@ -188,7 +183,7 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
     template = PARAMS.template(
-        dq_accum_stride_b=accum_b, dq_accum_stride_s=accum_s, dq_accum_stride_h=accum_h,
+        **dict(zip(("dq_accum_stride_b", "dq_accum_stride_s", "dq_accum_stride_h"), accum_strides)),
         seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
         headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
         **token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]),
