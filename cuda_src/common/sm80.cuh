@@ -88,6 +88,14 @@ __device__ __forceinline__ unsigned pack2<bfloat16_t>(float lo, float hi) {
   return r;
 }
 
+// 16 bytes to global memory in one store (ptr 16-byte aligned): written as C++, a uint4 store
+// through a pointer stepped in a loop (fwd_sm90) or with computed offsets (bwd_sm80_dq) came out as
+// four 4-byte stores.
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // *p += a, *(p + 1) += b in global memory, each atomically (p 8-byte aligned): one vector
 // reduction on sm_90 and newer, two scalar ones before. (Four consecutive floats a thread, after a
 // lane-pair shuffle, measured no faster on H100 and cost registers.)

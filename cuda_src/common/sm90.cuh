@@ -81,12 +81,6 @@ __device__ __forceinline__ unsigned ld_shared_b32(unsigned addr) {
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
-// 16 bytes to global memory in one store (ptr 16-byte aligned): written as C++, a uint4 store
-// through a pointer stepped in a loop came out as four 4-byte stores.
-__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");

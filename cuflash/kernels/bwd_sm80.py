@@ -13,7 +13,7 @@ import numpy as np
 from .. import jit
 from ..arrays import DeviceArray
 from . import (CXX_TYPES, Family, ParamStruct, Variant, bwd_preprocess, check_grid_yz, compiled_headdim, cxx_bool,
-               require_rows_aligned)
+               require_rows_aligned, rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields, token_strides)
 from .fwd_sm80 import SMEM_OPTIN, SMEM_OPTIN_DEFAULT
@@ -126,8 +126,19 @@ class BwdSm80DqVariant(Variant):
     dtype: str
     headdim: int
 
+    THREADS = 256
+
+    @property
+    def lanes(self) -> int:
+        """Threads per row (8 columns each): a power of two, so that they divide the block."""
+        return 1 << (self.headdim // 8 - 1).bit_length()
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.THREADS // self.lanes
+
     def template_args(self) -> tuple[str, ...]:
-        return (CXX_TYPES[self.dtype], str(self.headdim))
+        return (CXX_TYPES[self.dtype], str(self.headdim), str(self.lanes))
 
 
 def _tiles(headdim: int, smem_limit: int) -> tuple[int, int, int, int]:
@@ -243,16 +254,19 @@ def accumulator_strides(problem) -> tuple[int, int, int]:
 def _convert_dq(problem, outputs, accum_strides):
     """after(outputs, stream): dq = the float32 dQ buffer (strides accum_strides) in the input dtype
     (after the main kernel)."""
-    headdim = accumulator_headdim(problem)
-    rows_q = _query_rows(problem)
-    grid = (math.ceil(rows_q * problem.nheads * (headdim // 2) / 256),)
-    function = jit.get_function(BwdSm80DqVariant(problem.dtype, headdim), problem.device.index)
-    sizes = (np.int32(rows_q * problem.nheads), np.int32(problem.nheads),
-             np.int32(problem.total_q if problem.varlen else problem.seqlen_q), np.int32(problem.headdim),
-             *(np.int64(s) for s in accum_strides), *(np.int64(s) for s in token_strides(problem, outputs["dq"])))
+    # 16-byte stores: dq is dispatch's own allocation, contiguous, its head dim a multiple of 8.
+    assert rows_aligned(outputs["dq"], ELEMENT_BYTES), outputs["dq"].strides
+    variant = BwdSm80DqVariant(problem.dtype, accumulator_headdim(problem))
+    function = jit.get_function(variant, problem.device.index)
+    seqlen, batch = (problem.total_q, 1) if problem.varlen else (problem.seqlen_q, problem.batch)
+    check_grid_yz("bwd_sm80_dq", problem.nheads, batch)
+    grid = (math.ceil(seqlen / variant.rows_per_block), problem.nheads, batch)
+    sizes = (np.int32(seqlen), np.int32(problem.headdim), *(np.int64(s) for s in accum_strides),
+             *(np.int64(s) for s in token_strides(problem, outputs["dq"])))
 
     def after(outputs, stream) -> None:
-        function(grid, (256,), (np.uint64(outputs["dq_accum"].ptr), np.uint64(outputs["dq"].ptr), *sizes), stream=stream)
+        function(grid, (variant.THREADS,), (np.uint64(outputs["dq_accum"].ptr), np.uint64(outputs["dq"].ptr), *sizes),
+                 stream=stream)
 
     return after
 
