@@ -113,6 +113,9 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   constexpr int kQuerySteps = kSQueries / 16;           // of the Pᵀ and dSᵀ a consumer computes
   constexpr int kKeySteps = kBlockN / 16;               // of dQ
   constexpr int kConsumerWarps = 8;
+  // At head dim 64 a consumer's K and V (64 keys) are register A operands of Sᵀ and dPᵀ, 16 registers
+  // each, loaded once: the two GEMMs then read only Q and dO from shared memory every tile.
+  constexpr bool kKVInRegisters = !kSplitHead && kHeadDim == 64;
   static_assert(sizeof(T) == 2, "fp16 / bf16");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
                 "whole swizzle atoms; dK and dV of 64 keys fit the registers up to 128, of half the head dim at 256");
@@ -266,6 +269,17 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
   const int offset = seqlen_k - seqlen_q;
   constexpr float kLog2e = 1.4426950408889634f;
   if (tiles > 0) mbarrier_wait(kv_full, 0);
+  unsigned ka[kKVInRegisters ? kHeadSteps : 1][4], va[kKVInRegisters ? kHeadSteps : 1][4];
+  if constexpr (kKVInRegisters) {
+    // ldmatrix.x4 of k16 step kk: lanes 0-7 give rows 0-7 of the warp's 16 keys at columns 16 kk..,
+    // lanes 8-15 rows 8-15, lanes 16-31 the same rows at columns 16 kk + 8.. (the A layout).
+    const int row = key0 + 16 * (tid % 128 / 32) + lane % 16;
+#pragma unroll
+    for (int kk = 0; kk < kHeadSteps; ++kk) {
+      ldmatrix_x4(ka[kk], sK + sw128_offset(row, 2 * kk + lane / 16));
+      ldmatrix_x4(va[kk], sV + sw128_offset(row, 2 * kk + lane / 16));
+    }
+  }
 
 #pragma unroll 1
   for (int t = 0; t < tiles; ++t) {
@@ -277,13 +291,21 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kSQueries>::ss(st, desc_k + k_major_step(kk, kBlockN), desc_q + slot_q + k_major_step(kk, kBlockM),
-                              kk > 0);
+      if constexpr (kKVInRegisters) {
+        Wgmma<T, kSQueries>::template rs<0>(st, ka[kk], desc_q + slot_q + k_major_step(kk, kBlockM), kk > 0);
+      } else {
+        Wgmma<T, kSQueries>::ss(st, desc_k + k_major_step(kk, kBlockN), desc_q + slot_q + k_major_step(kk, kBlockM),
+                                kk > 0);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < kHeadSteps; ++kk) {
-      Wgmma<T, kSQueries>::ss(dpt, desc_v + k_major_step(kk, kBlockN), desc_q + slot_do + k_major_step(kk, kBlockM),
-                              kk > 0);
+      if constexpr (kKVInRegisters) {
+        Wgmma<T, kSQueries>::template rs<0>(dpt, va[kk], desc_q + slot_do + k_major_step(kk, kBlockM), kk > 0);
+      } else {
+        Wgmma<T, kSQueries>::ss(dpt, desc_v + k_major_step(kk, kBlockN), desc_q + slot_do + k_major_step(kk, kBlockM),
+                                kk > 0);
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -418,11 +440,11 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
       wgmma_fence();  // Pᵀ and dSᵀ were written by ordinary instructions
 #pragma unroll
       for (int kk = 0; kk < kQuerySteps; ++kk) {
-        Wgmma<T, kDCols>::rs_b_mn_major(dv, pa[kk], desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
+        Wgmma<T, kDCols>::template rs<1>(dv, pa[kk], desc_q_mn + slot_do + ((kk * 2048) >> 4), 1);
       }
 #pragma unroll
       for (int kk = 0; kk < kQuerySteps; ++kk) {
-        Wgmma<T, kDCols>::rs_b_mn_major(dk, dsa[kk], desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
+        Wgmma<T, kDCols>::template rs<1>(dk, dsa[kk], desc_q_mn + slot_q + ((kk * 2048) >> 4), 1);
       }
       wgmma_commit();
       fence_proxy_async_shared();  // this thread's dSᵀ stores, before the other warpgroup's dQ reads them

@@ -803,7 +803,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             const unsigned step = (kk / kAtomSteps) * (kVAtomBytes >> 4) + (kk % kAtomSteps) * (32 >> 4);
             Wgmma<T, kHeadDim + kSumColumns>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
           } else {
-            Wgmma<T, kHeadDim>::rs_b_mn_major(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
+            Wgmma<T, kHeadDim>::template rs<1>(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }
         }
         wgmma_commit();

@@ -43,13 +43,14 @@ struct Wgmma<{cxx_type}, {n}> {{
         : {outs}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
   }}
-  static __device__ __forceinline__ void rs_b_mn_major(float (&d)[{n_acc}], const unsigned (&a)[4],
-                                                       unsigned long long desc_b, int accumulate) {{
+  template <int kTransB>
+  static __device__ __forceinline__ void rs(float (&d)[{n_acc}], const unsigned (&a)[4], unsigned long long desc_b,
+                                            int accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n_acc + 5}, 0;\\n"
-        "{inst} {{{regs}}}, {ra}, %{n_acc + 4}, p, 1, 1, 1;\\n}}\\n"
+        "{inst} {{{regs}}}, {ra}, %{n_acc + 4}, p, 1, 1, %{n_acc + 6};\\n}}\\n"
         : {outs}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
   }}
 }};
 """
@@ -93,8 +94,8 @@ def render() -> str:
         "// 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)).\n"
         "//   ss:            D (+)= A B, A and B in shared memory (descriptors), K-major, or (16-bit)\n"
         "//                  MN-major where ss<kTransA, kTransB> says 1\n"
-        "//   rs_b_mn_major: (16-bit) D (+)= A B, A in registers (4 x b32: the accumulator layout of 16\n"
-        "//                  columns), B in shared memory MN-major (transpose-B = 1)\n"
+        "//   rs<kTransB>:   (16-bit) D (+)= A B, A in registers (4 x b32: the accumulator layout of 16\n"
+        "//                  columns), B in shared memory, K-major or (kTransB = 1) MN-major\n"
         "//   rs:            (e4m3) D (+)= A B, A in registers (4 x b32, 16 bytes: row r columns 4q..4q+3,\n"
         "//                  row r + 8 the same, then both at columns 16 + 4q.., q = lane % 4), B K-major\n"
         "// accumulate = 0 overwrites D (scale-d false). Asynchronous: fence before, commit and wait after\n"
