@@ -18,7 +18,8 @@
 //                 buffer with one bulk reduction (cp.reduce.async.bulk): the buffer's rows are laid
 //                 out as the staging's, each (batch, head)'s contiguous.
 //   warpgroups 1, 2  consumers, 64 keys each (setmaxnreg up), per query tile:
-//     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   wgmma SS, both operands K-major (M = 64 keys, N = 64 queries)
+//     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   wgmma SS, both operands K-major (M = 64 keys, N = 64 queries); at
+//                              head dim 64 RS, K and V held in registers (kKVInRegisters)
 //     Pᵀ = exp2(Sᵀ scale log2 e - LSE log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) with softcap),
 //                              on the accumulators; masked elements and tails are 0
 //     dV += Pᵀ dO, dK += dSᵀ Q wgmma RS: Pᵀ and dSᵀ packed to 16 bits in registers, dO and Q
