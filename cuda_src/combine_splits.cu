@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) combine_splits(const __grid_constant
       acc[2] += weight * o.z;
       acc[3] += weight * o.w;
     }
-    *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<TOut>(acc[0], acc[1]), pack2<TOut>(acc[2], acc[3]));
+    st_global_v2(out + col, make_uint2(pack2<TOut>(acc[0], acc[1]), pack2<TOut>(acc[2], acc[3])));
   }
 }
 

@@ -88,12 +88,15 @@ __device__ __forceinline__ unsigned pack2<bfloat16_t>(float lo, float hi) {
   return r;
 }
 
-// 16 bytes to global memory in one store (ptr 16-byte aligned): written as C++, a uint4 store
-// through a pointer stepped in a loop (fwd_sm90) or with computed offsets (bwd_sm80_dq) came out as
-// four 4-byte stores.
+// 16 (8) bytes to global memory in one store (ptr 16- (8-) byte aligned): written as C++, a uint4
+// store through a pointer stepped in a loop (fwd_sm90) or with computed offsets (bwd_sm80_dq) came
+// out as four 4-byte stores, and combine_splits' uint2 store as two.
 __device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+}
+__device__ __forceinline__ void st_global_v2(void* ptr, uint2 v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(ptr), "r"(v.x), "r"(v.y) : "memory");
 }
 
 // *p += a, *(p + 1) += b in global memory, each atomically (p 8-byte aligned): one vector

@@ -167,9 +167,15 @@ def select(problem, inputs) -> BwdSm80Variant:
     return BwdSm80Variant(problem.dtype, headdim, *tiles, problem.softcap > 0)
 
 
+def query_sequences(problem) -> tuple[int, int]:
+    """(batch, rows) of the queries as the dQ buffer and its conversion see them: varlen sequences
+    are one batch of total_q rows."""
+    return (1, problem.total_q) if problem.varlen else (problem.batch, problem.seqlen_q)
+
+
 def _query_rows(problem) -> int:
     """Query rows over all sequences: the dQ accumulator's first dimension."""
-    return problem.total_q if problem.varlen else problem.batch * problem.seqlen_q
+    return math.prod(query_sequences(problem))
 
 
 def dq_accum_spec(problem) -> tuple[tuple[int, ...], str]:
@@ -247,7 +253,7 @@ def accumulator_headdim(problem) -> int:
 def accumulator_strides(problem) -> tuple[int, int, int]:
     """(batch, row, head) strides in floats of this family's dQ buffer (workspace); varlen sequences
     are one batch of total_q rows."""
-    headdim, seqlen = accumulator_headdim(problem), problem.total_q if problem.varlen else problem.seqlen_q
+    headdim, (_, seqlen) = accumulator_headdim(problem), query_sequences(problem)
     return seqlen * problem.nheads * headdim, problem.nheads * headdim, headdim
 
 
@@ -258,7 +264,7 @@ def _convert_dq(problem, outputs, accum_strides):
     assert rows_aligned(outputs["dq"], ELEMENT_BYTES), outputs["dq"].strides
     variant = BwdSm80DqVariant(problem.dtype, accumulator_headdim(problem))
     function = jit.get_function(variant, problem.device.index)
-    seqlen, batch = (problem.total_q, 1) if problem.varlen else (problem.seqlen_q, problem.batch)
+    batch, seqlen = query_sequences(problem)
     check_grid_yz("bwd_sm80_dq", problem.nheads, batch)
     grid = (math.ceil(seqlen / variant.rows_per_block), problem.nheads, batch)
     sizes = (np.int32(seqlen), np.int32(problem.headdim), *(np.int64(s) for s in accum_strides),

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import tma
 from . import CXX_TYPES, Family, ParamStruct, Variant, check_grid_yz, compiled_headdim, cxx_bool, fwd_sm90
-from .bwd_sm80 import backward_steps, workspace
+from .bwd_sm80 import backward_steps, query_sequences, workspace
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
                       token_stride_fields)
 from .fwd_sm90 import SMEM_LIMIT, check_loadable
@@ -147,15 +147,15 @@ def accumulator_strides(problem) -> tuple[int, int, int]:
     layout, so that a tile adds in one bulk reduction); varlen sequences are one batch of total_q
     rows."""
     row_floats = dq_row_floats(compiled_headdim(problem.headdim, HEADDIMS))
-    seqlen = problem.total_q if problem.varlen else problem.seqlen_q
+    _, seqlen = query_sequences(problem)
     return problem.nheads * seqlen * row_floats, row_floats, seqlen * row_floats
 
 
 def accumulator_floats(problem) -> int:
     """The dQ buffer's floats in this family's layout: every batch's rows (varlen: one), and BLOCK_M
     spare rows for the last tile's rows past the end."""
-    stride_b, stride_s, _ = accumulator_strides(problem)
-    return (1 if problem.varlen else problem.batch) * stride_b + BLOCK_M * stride_s
+    (batch, _), (stride_b, stride_s, _) = query_sequences(problem), accumulator_strides(problem)
+    return batch * stride_b + BLOCK_M * stride_s
 
 
 def _rows_extent(array) -> int:
