@@ -43,9 +43,10 @@
 // dQ's staging has kDqBuffers (tile t uses t % kDqBuffers; "dq_full" when staged, "dq_empty" once
 // warp 1's reductions have read it): a consumer stages tile t's after the reductions of tile
 // t - kDqBuffers have read theirs.
-// dK (times the softmax scale) and dV are stored from the accumulators at the end. Keys past
-// seqlen_k and queries past seqlen_q come back from TMA as zeros (dense) or as the next sequence's
-// rows (varlen): masked, never stored. Head-dim columns past `headdim` are zero-filled by TMA.
+// dK (times the softmax scale) and dV are written at the end: dense, staged over K's and V's
+// tiles (free by then) and stored by TMA; varlen, from the accumulators. Keys past seqlen_k and
+// queries past seqlen_q come back from TMA as zeros (dense) or as the next sequence's rows (varlen):
+// masked, never stored. Head-dim columns past `headdim` are zero-filled by TMA.
 #include "common/masking.cuh"
 #include "common/sm90.cuh"
 
@@ -59,16 +60,17 @@ struct BwdSm90Params {
   // stride along the rows) and delta (rowsum(dout * out), laid out like lse): element
   // b * stride_b + h * stride_h + row.
   TmaMap lse_map, delta_map;
+  TmaMap dk_map, dv_map;  // dense only: as k_map and v_map, over dk and dv (the epilogue's TMA stores)
   // float32, zeroed: (batch, heads, seqlen_q) rows (varlen: (heads, total_q)) of dq_accum_stride_s
   // floats (kDqRowBytes / 4: the head dim and the staging's padding), then kBlockM spare rows, so
   // that a tile's 64 rows are one contiguous block of the staging's layout.
   float* dq_accum;
-  void* dk;
+  void* dk;  // varlen only (dense: dk_map and dv_map), with the strides below
   void* dv;
   const int* cu_seqlens_q;  // varlen only
   const int* cu_seqlens_k;
-  long long dk_stride_b, dk_stride_s, dk_stride_h;  // in elements; batch strides unused for varlen
-  long long dv_stride_b, dv_stride_s, dv_stride_h;
+  long long dk_stride_s, dk_stride_h;  // in elements
+  long long dv_stride_s, dv_stride_h;
   long long lse_stride_b, lse_stride_h;
   long long delta_stride_b, delta_stride_h;
   long long dq_accum_stride_b, dq_accum_stride_h;  // in floats; batch unused for varlen
@@ -80,7 +82,7 @@ struct BwdSm90Params {
   float softcap_exp2_scale;
   float softcap;
 };
-static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params must match BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py");
+static_assert(sizeof(BwdSm90Params) == 1216, "BwdSm90Params must match BWD_SM90_PARAMS in cuflash/kernels/bwd_sm90.py");
 
 constexpr int kBwdDsBarrier = 1;  // named barrier: both consumers' dSᵀ are in shared memory
 
@@ -471,21 +473,54 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ BwdSm
     }
   }
 
-  // dK (times the scale) and dV of this thread's keys, straight from the accumulators.
-  T* dk_out = static_cast<T*>(p.dk) + (kVarlen ? k_row0 * p.dk_stride_s : b * p.dk_stride_b) + h_kv * p.dk_stride_h;
-  T* dv_out = static_cast<T*>(p.dv) + (kVarlen ? k_row0 * p.dv_stride_s : b * p.dv_stride_b) + h_kv * p.dv_stride_h;
+  // dK (times the scale) and dV of this thread's keys: accumulator 4 nt + 2 hf + e holds key
+  // key0 + key_in_wg + 8 hf, column col0 + 8 nt + 2 (lane % 4) + e.
+  if constexpr (kVarlen) {
+    // Straight from the accumulators (a TMA box would spill into the next sequence's keys).
+    T* dk_out = static_cast<T*>(p.dk) + k_row0 * p.dk_stride_s + h_kv * p.dk_stride_h;
+    T* dv_out = static_cast<T*>(p.dv) + k_row0 * p.dv_stride_s + h_kv * p.dv_stride_h;
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int j = n0 + key0 + key_in_wg + 8 * hf;
-    if (j >= seqlen_k) continue;
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = n0 + key0 + key_in_wg + 8 * hf;
+      if (j >= seqlen_k) continue;
 #pragma unroll
-    for (int nt = 0; nt < kDCols / 8; ++nt) {
-      const int c = col0 + 8 * nt + 2 * (lane % 4);
-      if (c < p.headdim) {
-        *reinterpret_cast<unsigned*>(dk_out + j * p.dk_stride_s + c) =
-            pack2<T>(dk[4 * nt + 2 * hf] * p.scale, dk[4 * nt + 2 * hf + 1] * p.scale);
-        *reinterpret_cast<unsigned*>(dv_out + j * p.dv_stride_s + c) = pack2<T>(dv[4 * nt + 2 * hf], dv[4 * nt + 2 * hf + 1]);
+      for (int nt = 0; nt < kDCols / 8; ++nt) {
+        const int c = col0 + 8 * nt + 2 * (lane % 4);
+        if (c < p.headdim) {
+          *reinterpret_cast<unsigned*>(dk_out + j * p.dk_stride_s + c) =
+              pack2<T>(dk[4 * nt + 2 * hf] * p.scale, dk[4 * nt + 2 * hf + 1] * p.scale);
+          *reinterpret_cast<unsigned*>(dv_out + j * p.dv_stride_s + c) = pack2<T>(dv[4 * nt + 2 * hf], dv[4 * nt + 2 * hf + 1]);
+        }
       }
+    }
+  } else {
+    // Staged over K and V in their own layout, then stored by TMA in whole 128-byte rows (keys past
+    // seqlen_k and columns past headdim are not written). Stored from the accumulators, a warp's
+    // store covers 8 keys x 16 bytes: that epilogue took 4-7 us a CTA on H100, a sixth of a CTA's
+    // time at 1k queries. K and V are free once both consumers are past the last tile (its dQ GEMM
+    // reads K).
+    named_barrier_sync(kBwdDsBarrier, 256);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int row = key0 + key_in_wg + 8 * hf;
+#pragma unroll
+      for (int nt = 0; nt < kDCols / 8; ++nt) {
+        const int c = col0 + 8 * nt;  // this thread's 4 bytes are 4 (lane % 4) into the 16-byte chunk of c
+        const unsigned at = (c / 64) * kBlockN * 128 + sw128_offset(row, c % 64 / 8) + 4 * (lane % 4);
+        st_shared_b32(sK + at, pack2<T>(dk[4 * nt + 2 * hf] * p.scale, dk[4 * nt + 2 * hf + 1] * p.scale));
+        st_shared_b32(sV + at, pack2<T>(dv[4 * nt + 2 * hf], dv[4 * nt + 2 * hf + 1]));
+      }
+    }
+    fence_proxy_async_shared();  // before the async proxy (the TMA stores) reads them
+    named_barrier_sync(kBwdDsBarrier, 256);
+    if (tid == 128) {
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a) {
+        tma_store_4d(&p.dk_map, sK + a * kBlockN * 128, 64 * a, h_kv, n0, b);
+        tma_store_4d(&p.dv_map, sV + a * kBlockN * 128, 64 * a, h_kv, n0, b);
+      }
+      bulk_commit();
+      bulk_wait_read<0>();  // the CTA's shared memory stays until the stores have read it
     }
   }
 }

@@ -57,17 +57,17 @@ def dq_row_floats(headdim: int) -> int:
     return headdim + (4 if split_head(headdim) else 8)
 
 
-_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do", "lse", "delta")]
+_FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v", "do", "lse", "delta", "dk", "dv")]
            + [(name, np.uint64) for name in ("dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k")]
-           + [(f"{t}_stride_{d}", np.int64) for t in ("dk", "dv") for d in ("b", "s", "h")]
+           + [(f"{t}_stride_{d}", np.int64) for t in ("dk", "dv") for d in ("s", "h")]
            + [(f"{t}_stride_{d}", np.int64) for t in ("lse", "delta") for d in ("b", "h")]
            + [("dq_accum_stride_b", np.int64), ("dq_accum_stride_h", np.int64)]
            + [(name, np.int32) for name in ("dq_accum_stride_s", "seqlen_q", "seqlen_k", "group", "headdim",
                                             "window_left", "window_right")]
            + [(name, np.float32) for name in ("scale", "scale_log2", "softcap_exp2_scale", "softcap")])
 # The kernel's BwdSm90Params, field for field (its size padded to the maps' 64-byte alignment).
-BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 960})
-assert BWD_SM90_PARAMS.fields["softcap"][1] == 944, "keep in step with BwdSm90Params"
+BWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 1216})
+assert BWD_SM90_PARAMS.fields["softcap"][1] == 1184, "keep in step with BwdSm90Params"
 PARAMS = ParamStruct(BWD_SM90_PARAMS)
 
 
@@ -181,12 +181,19 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, inputs[name], heads, rows)) for name, heads, rows in
             (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, keys), ("v", problem.nheads_kv, keys))]
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
+    # The epilogue's TMA stores of dK and dV (dense only: a varlen box would spill into the next
+    # sequence's keys)
+    output_maps = [] if problem.varlen else [
+        (f"{name}_map", name, fwd_sm90.map_layout(problem, outputs[name], problem.nheads_kv, keys)) for name in ("dk", "dv")]
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
     template = PARAMS.template(
         **dict(zip(("dq_accum_stride_b", "dq_accum_stride_s", "dq_accum_stride_h"), accum_strides)),
         seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
         headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
-        **token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]),
+        # dk's and dv's strides, for varlen's stores (its sequences are one batch of tokens; dense
+        # stores go through dk_map and dv_map)
+        **{name: stride for name, stride in token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]).items()
+           if not name.endswith("_b")},
         **row_stride_fields(problem, lse=inputs["lse"], delta=outputs["delta"]))
     grid = (math.ceil(problem.seqlen_k / keys), problem.nheads_kv, problem.batch)
     dtype = problem.dtype
@@ -198,6 +205,7 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
         assert dq_accum.ptr % 16 == 0 and delta.ptr % 16 == 0, "bwd_sm90's workspace is not 16-byte aligned"
         params = bytearray(template)
         fwd_sm90.write_tensor_maps(PARAMS, params, dtype, maps, inputs)
+        fwd_sm90.write_tensor_maps(PARAMS, params, dtype, output_maps, outputs)
         PARAMS.write(params, "lse_map", tma.encode_tiled("float32", inputs["lse"].ptr, *lse_layout,
                                                          swizzle=tma.SWIZZLE_NONE))
         PARAMS.write(params, "delta_map", tma.encode_tiled("float32", delta.ptr, *delta_layout,
