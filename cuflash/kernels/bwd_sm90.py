@@ -181,19 +181,23 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
     maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, inputs[name], heads, rows)) for name, heads, rows in
             (("q", problem.nheads, BLOCK_M), ("k", problem.nheads_kv, keys), ("v", problem.nheads_kv, keys))]
     maps.append(("do_map", "dout", fwd_sm90.map_layout(problem, inputs["dout"], problem.nheads, BLOCK_M)))
-    # The epilogue's TMA stores of dK and dV (dense only: a varlen box would spill into the next
-    # sequence's keys)
-    output_maps = [] if problem.varlen else [
-        (f"{name}_map", name, fwd_sm90.map_layout(problem, outputs[name], problem.nheads_kv, keys)) for name in ("dk", "dv")]
+    # How the epilogue writes dK and dV: dense, by TMA (dk_map, dv_map); varlen, from the accumulators
+    # at dk and dv through their token strides (a TMA box would spill into the next sequence's keys;
+    # varlen's tokens are one batch, so no batch stride)
+    if problem.varlen:
+        output_maps, output_addresses = [], ("dk", "dv")
+        output_strides = {name: stride for name, stride in
+                          token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]).items() if not name.endswith("_b")}
+    else:
+        output_maps = [(f"{name}_map", name, fwd_sm90.map_layout(problem, outputs[name], problem.nheads_kv, keys))
+                       for name in ("dk", "dv")]
+        output_addresses, output_strides = (), {}
     lse_layout, delta_layout = _rows_layout(inputs["lse"]), _rows_layout(outputs["delta"])
     template = PARAMS.template(
         **dict(zip(("dq_accum_stride_b", "dq_accum_stride_s", "dq_accum_stride_h"), accum_strides)),
         seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=problem.nheads // problem.nheads_kv,
         headdim=problem.headdim, scale=problem.softmax_scale, **mask_and_softmax_fields(problem),
-        # dk's and dv's strides, for varlen's stores (its sequences are one batch of tokens; dense
-        # stores go through dk_map and dv_map)
-        **{name: stride for name, stride in token_stride_fields(problem, dk=outputs["dk"], dv=outputs["dv"]).items()
-           if not name.endswith("_b")},
+        **output_strides,
         **row_stride_fields(problem, lse=inputs["lse"], delta=outputs["delta"]))
     grid = (math.ceil(problem.seqlen_k / keys), problem.nheads_kv, problem.batch)
     dtype = problem.dtype
@@ -210,7 +214,7 @@ def prepare(variant: BwdSm90Variant, function, problem, inputs, outputs):
                                                          swizzle=tma.SWIZZLE_NONE))
         PARAMS.write(params, "delta_map", tma.encode_tiled("float32", delta.ptr, *delta_layout,
                                                            swizzle=tma.SWIZZLE_NONE))
-        PARAMS.write_addresses(params, outputs, ("dq_accum", "dk", "dv"))
+        PARAMS.write_addresses(params, outputs, ("dq_accum",) + output_addresses)
         if problem.varlen:
             PARAMS.write_addresses(params, inputs, CU_SEQLENS)
         function(grid, (THREADS,), (PARAMS.argument(params),), shared_mem=variant.dynamic_shared_bytes, stream=stream)
