@@ -314,11 +314,11 @@ def test_decode_gqa_as_rows_reads_q_descales_one_a_row(blocks):
     device = dict(q_descale=arrays.DeviceArray(0, descale.shape, arrays.contiguous_strides(descale.shape)))
     viewed = forward.heads_as_rows(device, group)["q_descale"]
     np.testing.assert_array_equal(_view(descale.ravel(), viewed), descale.reshape(batch, nheads // group, group))
-    fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn", batch=batch, seqlen_q=1, seqlen_k=300, nheads=nheads,
+    fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn", batch=batch, seqlen_q=1, seqlen_k=100, nheads=nheads,
                nheads_kv=nheads // group)
     rows = forward.query_heads_as_rows(_problem(**fp8))
     assert rows.q_descale_per_row and fwd_sm90._q_descale_shift(rows) == 0
-    assert fwd_sm90.kv_splits(rows) == 1 and fwd_sm90.split_parts(rows) == 1  # (300 keys: no split, but one part)
+    assert fwd_sm90.kv_splits(rows) == 1 and fwd_sm90.split_parts(rows) == 1  # (one key block: no split, but one part)
     assert fwd_sm90.split_workspace(rows)["o_partial"][0] == (batch, 1, group, nheads // group, 64)
     whole = _problem(**{**fp8, "seqlen_q": 200})
     assert fwd_sm90.split_parts(whole) is None and fwd_sm90._q_descale_shift(whole) == 7

@@ -357,7 +357,8 @@ def test_decode_gqa_runs_query_heads_as_rows_and_matches_reference(backend, head
                     reason="fwd_sm90 needs compute capability 9.0")
 @pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, softcap", [
-    (1, 1, 40000, 8, 8, 0.0), (1, 300, 5000, 2, 1, 0.0), (2, 7, 1777, 4, 2, 30.0), (3, 1, 2000, 8, 2, 0.0)])
+    (1, 1, 40000, 8, 8, 0.0), (1, 300, 5000, 2, 1, 0.0), (2, 7, 1777, 4, 2, 30.0), (3, 1, 2000, 8, 2, 0.0),
+    (1, 1, 40000, 1, 1, 0.0)])  # (one tile: more parts than combine_splits merges at once)
 def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, softcap):
     """Problems with fewer tiles than SMs run split-KV (fwd_sm90.kv_splits parts, float32 partials in a
     poisoned workspace, combine_splits), and give the reference's results, bit for bit again; the same

@@ -383,20 +383,21 @@ class CombineSplitsVariant(Variant):
 # are counted for SPLIT_KV_SMS SMs (H100 SXM's and H200's; from the problem alone, as the workspace
 # is declared): the fewest whose waves fill the SMs to within SPLIT_KV_FILL of the best count's,
 # as FlashAttention's num_splits_heuristic counts them; none where the tiles fill 80% of the SMs.
-# A part keeps at least SPLIT_KV_MIN_BLOCKS key blocks and SPLIT_KV_KEYS_PER_ROW keys per query
-# row of its tile, so that its fixed costs (Q's load, the pipeline's fill, the epilogue, and
-# combine_splits' launch) and its partials (8 bytes per row element written and read again, against
-# 4 per key element of K and V) stay small beside its keys. Measured on H100 with only the first
-# rules (CUDA graphs, us, split / whole): decode steps 57.6 / 397 (batch 1, 32k keys, 8 kv heads),
-# 18.6 / 102 (8k keys), and 2k-4k keys with 4 or 2 heads 25 / 38 and 38 / 70; but 1k keys with 8
-# heads at head dim 64 25 / 17 (8 parts of one block), 512 keys at 256 19.5 / 16, and a decode step
-# of 1k keys 16.8 / 14.8: none of which the two rules split (benchmarks/NOTES-sm90.md, "Decode
-# shapes"). The split variants take the head dim's longest-key row of TILES (SOFTCAP_TILES), or
-# e4m3 its first FP8_TILES row (_fp8_split_row).
+# A part keeps at least SPLIT_KV_KEYS_PER_ROW keys per query row of its tile, so that its partials
+# (8 bytes per row element written and read again, against 4 per key element of K and V) and its
+# fixed costs (Q's load, the pipeline's fill, the epilogue, and combine_splits' launch) stay small
+# beside its keys. Measured on H100 (CUDA graphs, us, split / whole): decode steps 57.6 / 397 (batch
+# 1, 32k keys, 8 kv heads), 18.6 / 102 (8k keys), and 2k-4k keys with 4 or 2 heads 25 / 38 and 38 /
+# 70; but with no such rule 1k keys with 8 heads at head dim 64 25 / 17 and 512 keys at 256 19.5 / 16,
+# which it keeps whole. A rule of at least 4 key blocks a part also kept a decode step of 1k keys
+# whole (16.8 / 14.8 then); since combine_splits merges in one round trip to memory (2.0-2.5 us a
+# call instead of 4.3-6.4), it is gone: 1k keys in 6 parts 11.0 / 13.5, 8k keys in 15 parts instead
+# of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
+# (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's longest-key
+# row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row (_fp8_split_row).
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
-SPLIT_KV_MIN_BLOCKS = 4
 SPLIT_KV_KEYS_PER_ROW = 8
 
 
@@ -412,7 +413,7 @@ def kv_splits(problem) -> int:
     block_m = ROWS_PER_CONSUMER * consumers
     tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
     blocks = math.ceil(problem.seqlen_k / block_n)
-    most = min(SPLIT_KV_MAX, blocks // SPLIT_KV_MIN_BLOCKS,
+    most = min(SPLIT_KV_MAX, blocks,
                problem.seqlen_k // (SPLIT_KV_KEYS_PER_ROW * max(min(problem.seqlen_q, block_m), 1)))
     if tiles == 0 or 5 * tiles >= 4 * SPLIT_KV_SMS or most < 2:
         return 1
