@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess(
       for (int e = 0; e < kVec; ++e) acc = fmaf(fo[e], fg[e], acc);
     }
   }
-#pragma unroll
-  for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  acc = lanes_sum<kLanesPerRow>(acc);
   if (valid && lane == 0) delta[(static_cast<long long>(b) * nheads + h) * seqlen + i] = acc;
 }
 

@@ -61,20 +61,12 @@ __global__ void __launch_bounds__(kThreads) combine_splits(const __grid_constant
       cp_async_commit();
       cp_async_wait<0>();  // (each lane reads only the slots it filled)
       const float part_lse = lane < parts ? staged_lse[warp][lane] : -infinity();
-      float chunk_max = part_lse;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, offset));
-      }
-      const float new_max = fmaxf(row_max, chunk_max);
+      const float new_max = fmaxf(row_max, lanes_max<32>(part_lse));
       // (while no part has seen a key, every weight is 0: subtract 0 instead of -inf, no NaN)
       const float base_max = new_max == -infinity() ? 0.f : new_max;
       const float rescale = __expf(row_max - base_max);  // 0 while row_max is -inf
       const float weight = part_lse == -infinity() ? 0.f : __expf(part_lse - base_max);
-      float chunk_sum = weight;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) chunk_sum += __shfl_xor_sync(0xffffffffu, chunk_sum, offset);
-      row_sum = row_sum * rescale + chunk_sum;
+      row_sum = row_sum * rescale + lanes_sum<32>(weight);
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] *= rescale;
 #pragma unroll

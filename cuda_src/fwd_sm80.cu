@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const float total = quad_sum(row_sum[mt][hf]);
+      const float total = lanes_sum<4>(row_sum[mt][hf]);
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int r = warp_row0 + mt * 16 + lane / 4 + hf * 8;
 #pragma unroll

@@ -1023,7 +1023,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     float split_inv[2];                // kSplitKV: O is stored times these in float32 instead
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const float total = kTensorRowSums ? o[kOAcc + 2 * hf] : quad_sum(row_sum[hf]);
+      const float total = kTensorRowSums ? o[kOAcc + 2 * hf] : lanes_sum<4>(row_sum[hf]);
       const float inv = total > 0.f ? o_descale / total : 0.f;
       if constexpr (kSplitKV) split_inv[hf] = inv;
 #pragma unroll

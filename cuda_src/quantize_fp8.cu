@@ -202,8 +202,7 @@ __device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::V
 // memory no thread reads or writes between this call and the previous one's reads (see the caller).
 template <int kWarps>
 __device__ __forceinline__ float cta_max(float value, float* warp_amax) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  value = lanes_max<32>(value);
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = value;
   __syncthreads();
 #pragma unroll

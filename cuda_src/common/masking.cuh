@@ -99,10 +99,7 @@ __device__ __forceinline__ float online_softmax_max(Score&& score, float& row_ma
   for (int width = kChains / 2; width > 0; width /= 2)
 #pragma unroll
     for (int k = 0; k < width; ++k) chain[k] = fmaxf(chain[k], chain[k + width]);
-  float mx = chain[0];
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  mx = fmaxf(row_max, mx * scale_log2);
+  float mx = fmaxf(row_max, lanes_max<4>(chain[0]) * scale_log2);
   // (A row's first key makes mx - row_max = inf; a row with none yet, -inf - -inf = NaN: both move.)
   if (kStaleMax > 0 && mx - row_max <= static_cast<float>(kStaleMax)) mx = row_max;
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -134,13 +131,9 @@ __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_ma
   return correction;
 }
 
-// The end of a row: the quad of threads holding it adds up its partial sums (quad_sum); the row's
-// LSE in natural log from its running maximum (log2 domain), the total and the exponent offset
+// The end of a row: the quad of threads holding it adds up its partial sums (lanes_sum<4>); the
+// row's LSE in natural log from its running maximum (log2 domain), the total and the exponent offset
 // online_softmax_row used (-inf for a row that saw no key).
-__device__ __forceinline__ float quad_sum(float partial) {
-  partial += __shfl_xor_sync(0xffffffffu, partial, 1);
-  return partial + __shfl_xor_sync(0xffffffffu, partial, 2);
-}
 template <int kExpOffset = 0>
 __device__ __forceinline__ float row_lse(float row_max, float total) {
   constexpr float kLn2 = 0.6931471805599453f;

@@ -8,6 +8,21 @@ namespace cuflash {
 // No <cmath> under NVRTC without the toolkit headers: infinity from its bits.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
+// The sum, or the maximum, of x over each aligned group of kLanes lanes (a power of two up to 32),
+// every lane of a group getting its group's: a butterfly of shuffles, nearest lanes first.
+template <int kLanes>
+__device__ __forceinline__ float lanes_sum(float x) {
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+template <int kLanes>
+__device__ __forceinline__ float lanes_max(float x) {
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
 struct e4m3_t { unsigned char bits; };  // float8_e4m3fn
