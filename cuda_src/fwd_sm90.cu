@@ -197,8 +197,8 @@ struct Tile {
 // window: fwd_sm90.py, TILE_WINDOW_MIN_KEYS). A window's heads run together, as a head's row blocks
 // do; below 2k keys, where that holds more K and V than L2 keeps, only the last wave's worth of
 // heads goes in a window (the draw's balance is decided by its last tiles).
-// kSplitKV (unmasked, dense): a tile's num_splits parts are consecutive indices, each with its
-// share of the key blocks.
+// kSplitKV (dense): a tile's num_splits parts are consecutive indices, each with its share of the
+// key blocks (from block 0: masked, a part may hold none of the blocks a tile's rows see).
 template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked, bool kSplitKV>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;
@@ -367,9 +367,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
                 "16-bit O is staged; e4m3's O outsizes Q and its V^T slot");
   // Split-KV: a decode step's few (batch, head) pairs spread over the SMs by their key blocks, each
   // part writing its O (normalised) and LSE as float32 partials that a second kernel merges
-  // (cuda_src/combine_splits.cu). Unmasked and dense: every row of a part sees all its keys.
-  static_assert(!kSplitKV || (!kVarlen && !kMasked && !kTensorRowSums && kOStage == kOStageDirect),
-                "split-KV: dense, unmasked, with the LSE, its float32 partials stored straight");
+  // (cuda_src/combine_splits.cu). Dense; masked for a causal or right-bounded step of a few rows
+  // (fwd_sm90.py, split_masked), where they pass no blocks by: kPassBy's bounds are of the rows'
+  // keys, not the part's.
+  static_assert(!kSplitKV || (!kVarlen && !(kMasked && kPassBy) && !kTensorRowSums && kOStage == kOStageDirect),
+                "split-KV: dense, passing no blocks by if masked, with the LSE, its float32 partials stored straight");
   static_assert(kOStage != kOStageInV || kBlockN >= kBlockM, "O staged in a V slot fits there");
   static_assert(kStages >= 1, "at least one K/V slot");
   static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");

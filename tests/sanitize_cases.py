@@ -30,7 +30,9 @@ CASES = (("bfloat16", 200, 333, 4, 2, 128, dict(causal=True)), ("float16", 77, 5
          # decode steps: GQA's query heads as rows of their kv head, and (fwd_sm90, few tiles) split-KV
          # with float32 partials merged by combine_splits; the small unmasked cases above split too
          ("bfloat16", 1, 5000, 16, 4, 128, dict(causal=True)), ("float16", 1, 700, 8, 1, 256, {}),
-         ("bfloat16", 5, 3000, 2, 2, 64, dict(softcap=5.0)))
+         ("bfloat16", 5, 3000, 2, 2, 64, dict(softcap=5.0)),
+         # a speculative step of a few causal rows: the masked split variants
+         ("bfloat16", 4, 6000, 8, 2, 128, dict(causal=True)), ("float16", 3, 2500, 2, 1, 256, dict(window=(-1, 1))))
 BACKENDS = ["sm80"] + (["sm90"] if cp.cuda.Device().compute_capability == "90" else [])
 for backend in BACKENDS:
     for dtype, sq, sk, h, hkv, d, kw in CASES:

@@ -327,8 +327,9 @@ def test_decode_gqa_as_rows_reads_q_descales_one_a_row(blocks):
 
 def test_every_row_sees_every_key_and_such_few_tiles_split():
     """forward.sees_every_key, the bounds exactly (bottom-right aligned); fwd_sm90.kv_splits splits a
-    causal decode step's few tiles (its one row sees every key) and not the same keys under a mask
-    that hides some."""
+    causal decode step's few tiles (its one row sees every key), a causal step of a few rows (masked
+    split variants, 16-bit), and not the same keys under a left window that hides some, nor e4m3
+    under a mask that hides some, nor masked rows beyond one row block a head."""
     from cuflash.kernels import fwd_sm90
 
     every = lambda **kw: forward.sees_every_key(_problem(**{**dict(seqlen_q=3, seqlen_k=40), **kw}))
@@ -340,6 +341,21 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     assert fwd_sm90.kv_splits(_problem(**decode, window_right=0, causal=True)) > 1
     assert fwd_sm90.kv_splits(_problem(**decode, window_left=1000)) == 1
     assert fwd_sm90.kv_splits(_problem(**{**decode, "batch": 8, "nheads": 16, "nheads_kv": 16})) == 1  # 128 tiles
+    draft = dict(decode, seqlen_q=4, nheads_kv=8)  # a speculative step: 4 new rows, causal
+    block_m = fwd_sm90.ROWS_PER_CONSUMER * fwd_sm90._split_tiles(_problem(**draft))[0]
+    assert fwd_sm90.kv_splits(_problem(**draft, window_right=0, causal=True)) > 1
+    assert fwd_sm90.kv_splits(_problem(**draft, window_right=2)) > 1
+    assert fwd_sm90.kv_splits(_problem(**draft, window_left=32767, window_right=0, causal=True)) > 1  # (hides nothing)
+    assert fwd_sm90.kv_splits(_problem(**draft, window_left=32766, window_right=0, causal=True)) == 1
+    assert fwd_sm90.kv_splits(_problem(**{**draft, "seqlen_q": block_m}, window_right=0, causal=True)) > 1
+    assert fwd_sm90.kv_splits(_problem(**{**draft, "seqlen_q": block_m + 1}, window_right=0, causal=True)) == 1
+    fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn")
+    assert fwd_sm90.kv_splits(_problem(**draft, **fp8)) > 1
+    assert fwd_sm90.kv_splits(_problem(**draft, **fp8, window_right=0, causal=True)) == 1
+    masked = fwd_sm90._select_split(_problem(**draft, window_right=0, causal=True), 128, False)
+    assert masked.split_kv and masked.masked and not masked.pass_by
+    unmasked = fwd_sm90._select_split(_problem(**decode, window_right=0, causal=True), 128, False)
+    assert unmasked.split_kv and not unmasked.masked and masked in fwd_sm90.variants_for((9, 0))
 
 
 def test_split_kv_parts_follow_the_measured_rules():

@@ -362,7 +362,8 @@ def test_decode_gqa_runs_query_heads_as_rows_and_matches_reference(backend, head
 def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, softcap):
     """Problems with fewer tiles than SMs run split-KV (fwd_sm90.kv_splits parts, float32 partials in a
     poisoned workspace, combine_splits), and give the reference's results, bit for bit again; the same
-    problem under a causal mask runs unsplit."""
+    problem under a causal mask runs split too (masked split variants) where its rows are one row block
+    a head, and unsplit beyond."""
     from cuflash.kernels import fwd_sm90, forward
 
     g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
@@ -381,11 +382,47 @@ def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     _check(out, lse, q, k, v, kw)
     again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
     assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
-    if seqlen_q > 1:  # (one query row sees every key under a causal mask: still split)
+    if seqlen_q > 1:  # (one query row sees every key under a causal mask: split unmasked, above)
         causal = dict(kw, causal=True)
-        assert fwd_sm90.kv_splits(_problem("attention_forward", q, k, "sm90", **causal)) == 1
-        out, lse = cuflash.attention(q, k, v, causal=True, softcap=softcap, return_lse=True, backend="sm90")
+        masked = _problem("attention_forward", q, k, "sm90", **causal)
+        block_m = fwd_sm90.ROWS_PER_CONSUMER * fwd_sm90._split_tiles(masked)[0]
+        assert (fwd_sm90.kv_splits(masked) > 1) == (seqlen_q <= block_m)
+        dispatch.clear_plans()
+        out, lse = gpu_attention.run_poisoned(masked, inputs, q.shape, lse_shape, torch.bfloat16)
+        assert [(variant.split_kv, variant.masked) for _, variant in dispatch._plans.values()] == [(seqlen_q <= block_m, True)]
         _check(out, lse, q, k, v, causal)
+        again, lse_again = gpu_attention.run_poisoned(masked, inputs, q.shape, lse_shape, torch.bfloat16)
+        assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="fwd_sm90 needs compute capability 9.0")
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, window, softcap", [
+    (1, 4, 32768, 32, 8, (-1, 0), 0.0), (2, 5, 3001, 8, 2, (-1, 3), 0.0), (1, 128, 40000, 1, 1, (-1, 0), 0.0),
+    (3, 2, 2049, 4, 4, (2048, 0), 30.0), (1, 64, 9000, 2, 1, (-1, 40), 0.0)])
+def test_sm90_masked_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, window,
+                                                softcap):
+    """Speculative decoding's steps (a few new rows, causal or right-bounded, GQA, softcap, a left bound
+    that hides no key) run the masked split variants, and give the reference's results with the
+    outputs and the partials' workspace poisoned, bit for bit again."""
+    from cuflash.kernels import fwd_sm90
+
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim + seqlen_q)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    kw = dict(causal=window == (-1, 0), window=window, softcap=softcap, softmax_scale=None)
+    problem = _problem("attention_forward", q, k, "sm90", **kw)
+    assert fwd_sm90.kv_splits(problem) > 1
+    dispatch.clear_plans()
+    inputs = dict(q=q, k=k, v=v)
+    lse_shape = (batch, nheads, seqlen_q)
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert [(variant.split_kv, variant.masked) for _, variant in dispatch._plans.values()] == [(True, True)]
+    _check(out, lse, q, k, v, kw)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -249,9 +249,10 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
-        if self.split_kv and (self.varlen or self.masked or self.tensor_row_sums or self.v_pretransposed):
-            raise ValueError("fwd_sm90: split_kv is for dense, unmasked attention with fp32 row sums (the LSE) "
-                             "and, e4m3, V transposed in the kernel")
+        if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed
+                              or (self.masked and (fp8 or self.pass_by))):
+            raise ValueError("fwd_sm90: split_kv is for dense attention with fp32 row sums (the LSE), 16-bit if "
+                             "masked (and then passing no blocks by), e4m3 with V transposed in the kernel")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -394,7 +395,9 @@ class CombineSplitsVariant(Variant):
 # call instead of 4.3-6.4), it is gone: 1k keys in 6 parts 11.0 / 13.5, 8k keys in 15 parts instead
 # of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's longest-key
-# row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row (_fp8_split_row).
+# row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row (_fp8_split_row). A causal step of a
+# few rows (speculative decoding's) splits as well, 16-bit, by masked split variants (split_masked):
+# batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
@@ -402,15 +405,17 @@ SPLIT_KV_KEYS_PER_ROW = 8
 
 
 def kv_splits(problem) -> int:
-    """The parts split-KV cuts each tile's key blocks into (1: no split): for dense, unmasked
-    forwards (16-bit or e4m3; every row sees every key, as a causal decode step's one row does) with
-    fewer tiles than 80% of SPLIT_KV_SMS, by the rules above."""
+    """The parts split-KV cuts each tile's key blocks into (1: no split): for dense forwards (16-bit
+    or e4m3) with fewer tiles than 80% of SPLIT_KV_SMS, by the rules above, where every row sees
+    every key (as a causal decode step's one row does) or, 16-bit, under a causal mask or right
+    window bound with at most one row block a head (split_masked)."""
     fp8 = problem.op == "attention_fp8_forward"
-    if ((problem.op != "attention_forward" and not fp8) or problem.headdim > (FP8_HEADDIMS if fp8 else HEADDIMS)[-1]
-            or not sees_every_key(problem)):
+    if (problem.op != "attention_forward" and not fp8) or problem.headdim > (FP8_HEADDIMS if fp8 else HEADDIMS)[-1]:
         return 1
     consumers, block_n = _split_tiles(problem)[:2]
     block_m = ROWS_PER_CONSUMER * consumers
+    if not sees_every_key(problem) and (fp8 or not split_masked(problem, block_m)):
+        return 1
     tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
     blocks = math.ceil(problem.seqlen_k / block_n)
     most = min(SPLIT_KV_MAX, blocks,
@@ -424,6 +429,18 @@ def kv_splits(problem) -> int:
             fill[parts] = waves / math.ceil(waves)
     best = max(fill.values())
     return next(parts for parts, f in fill.items() if f >= SPLIT_KV_FILL * best)
+
+
+def split_masked(problem, block_m: int) -> bool:
+    """Whether a masked 16-bit problem may run split (kv_splits): a few query rows (at most block_m,
+    one row block a head) under a causal mask or a right window bound, with no left bound hiding keys
+    (a split part takes its share of every key block from 0 on: under a left window most parts would
+    be empty). Speculative decoding's steps are such: each of a few new rows sees the cache and the
+    new rows up to its own. The parts keep the mask (the masked split variants). (A part spans at
+    least SPLIT_KV_KEYS_PER_ROW keys a row, more than the rows' ends differ by, so each row sees some
+    key of every part; one that saw none would leave LSE -inf, which combine_splits weighs 0.)"""
+    left = problem.window_left
+    return problem.seqlen_q <= block_m and (left < 0 or left >= problem.seqlen_k - 1)
 
 
 def split_parts(problem) -> int | None:
@@ -453,7 +470,7 @@ def _select_split(problem, headdim: int, forced: bool) -> FwdSm90Variant | None:
         return None
     fp8 = problem.op == "attention_fp8_forward"
     variant = (_fp8_split_variant(problem.out_dtype, headdim) if fp8
-               else _split_variant(problem.dtype, headdim, problem.softcap > 0))
+               else _split_variant(problem.dtype, headdim, problem.softcap > 0, not sees_every_key(problem)))
     check_split_parts(problem, variant, parts)
     return variant
 
@@ -508,14 +525,17 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     whole = tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
                   for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
                   for _, tiles in _rows(hd, softcap) for mask in mask_choices(PASS_BY, hd))
-    split = tuple(_split_variant(dtype, hd, softcap) for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
-                  for softcap in (False, True))
+    split = tuple(_split_variant(dtype, hd, softcap, masked) for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
+                  for softcap in (False, True) for masked in (False, True))
     return whole + split + tuple(CombineSplitsVariant(dtype) for dtype in sorted(CXX_TYPES))
 
 
-def _split_variant(dtype: str, headdim: int, softcap: bool) -> FwdSm90Variant:
-    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap, PASS_BY[headdim][False],
-                          False, False, split_kv=True)
+def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
+    """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked).
+    Masked ones pass no blocks by: a part's blocks may all lie above a warpgroup's rows, and the
+    pass-by bounds come from the whole row's keys."""
+    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap,
+                          PASS_BY[headdim][False] and not masked, masked, False, split_kv=True)
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
@@ -808,8 +828,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles, num_splits=parts,
                   split_blocks=split_blocks, **mask_and_softmax_fields(problem))
-    if variant.split_kv:  # every row sees every key (kv_splits); the partials' strides, (batch, part) one index
-        fields.update(window_left=-1, window_right=-1)
+    if variant.split_kv:  # the partials' strides, (batch, part) one index
+        if not variant.masked:  # every row sees every key (kv_splits)
+            fields.update(window_left=-1, window_right=-1)
         o_partial, lse_partial = outputs["o_partial"], outputs["lse_partial"]
         assert o_partial.strides[0] == parts * o_partial.strides[1] and lse_partial.strides[0] == parts * lse_partial.strides[1]
         fields.update(zip(("o_stride_b", "o_stride_s", "o_stride_h"), o_partial.strides[1:4]))
