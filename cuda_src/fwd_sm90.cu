@@ -368,10 +368,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // Split-KV: a decode step's few (batch, head) pairs spread over the SMs by their key blocks, each
   // part writing its O (normalised) and LSE as float32 partials that a second kernel merges
   // (cuda_src/combine_splits.cu). Dense; masked for a causal or right-bounded step of a few rows
-  // (fwd_sm90.py, split_masked), where they pass no blocks by: kPassBy's bounds are of the rows'
-  // keys, not the part's.
-  static_assert(!kSplitKV || (!kVarlen && !(kMasked && kPassBy) && !kTensorRowSums && kOStage == kOStageDirect),
-                "split-KV: dense, passing no blocks by if masked, with the LSE, its float32 partials stored straight");
+  // (fwd_sm90.py, split_masked).
+  static_assert(!kSplitKV || (!kVarlen && !kTensorRowSums && kOStage == kOStageDirect),
+                "split-KV: dense, with the LSE, its float32 partials stored straight");
   static_assert(kOStage != kOStageInV || kBlockN >= kBlockM, "O staged in a V slot fits there");
   static_assert(kStages >= 1, "at least one K/V slot");
   static_assert(kSchedule >= kScheduleOverlap && kSchedule <= kScheduleSerial, "a Schedule");
@@ -749,8 +748,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
       int n_top = t.kb.n_max, n_full_lo = t.kb.n_full_lo, n_full_hi = t.kb.n_full_hi;
       if constexpr (kPassBy) {
         const KeyBlocks own = key_blocks<kBlockN>(t.m0 + wg * 64, 64, t.seqlen_q, t.seqlen_k, window_left, window_right);
-        // (Broadcast like the tile index: the compiler then keeps it, and the loop bounds, uniform.)
-        n_top = __shfl_sync(0xffffffffu, own.n_max > own.n_min ? min(own.n_max, t.kb.n_max) : t.kb.n_min, 0);
+        // (Broadcast like the tile index: the compiler then keeps it, and the loop bounds, uniform.
+        // kSplitKV: a part's blocks may all lie above this warpgroup's keys; it then has none here.)
+        const int own_top = kSplitKV ? max(t.kb.n_min, min(own.n_max, t.kb.n_max)) : min(own.n_max, t.kb.n_max);
+        n_top = __shfl_sync(0xffffffffu, own.n_max > own.n_min ? own_top : t.kb.n_min, 0);
         n_full_lo = own.n_full_lo;
         n_full_hi = own.n_full_hi;
       }

@@ -249,10 +249,9 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
-        if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed
-                              or (self.masked and (fp8 or self.pass_by))):
+        if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed or (self.masked and fp8)):
             raise ValueError("fwd_sm90: split_kv is for dense attention with fp32 row sums (the LSE), 16-bit if "
-                             "masked (and then passing no blocks by), e4m3 with V transposed in the kernel")
+                             "masked, e4m3 with V transposed in the kernel")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -530,12 +529,19 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     return whole + split + tuple(CombineSplitsVariant(dtype) for dtype in sorted(CXX_TYPES))
 
 
+# Whether the masked split variants pass blocks by (a warpgroup whose rows see none of a part's keys, or
+# that has no rows: a step's few rows are all in the first), per compiled head dim. Measured on H100
+# (benchmarks/NOTES-sm90.md, session 37; causal steps of 4 rows): at 64, where the split row has three
+# consumers, 57-58 -> 38 us (MQA, 64k keys); at 128 1-10% slower (GQA 32/8, 8k and 32k keys), at 256
+# even. 192 not measured: as 128.
+SPLIT_MASKED_PASS_BY = {64: True, 128: False, 192: False, 256: False}
+
+
 def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
-    """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked).
-    Masked ones pass no blocks by: a part's blocks may all lie above a warpgroup's rows, and the
-    pass-by bounds come from the whole row's keys."""
-    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap,
-                          PASS_BY[headdim][False] and not masked, masked, False, split_kv=True)
+    """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked)."""
+    pass_by = SPLIT_MASKED_PASS_BY[headdim] if masked else PASS_BY[headdim][False]
+    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap, pass_by, masked, False,
+                          split_kv=True)
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
