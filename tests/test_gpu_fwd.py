@@ -397,7 +397,7 @@ def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="fwd_sm90 needs compute capability 9.0")
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 128, 192, 256])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, window, softcap", [
     (1, 4, 32768, 32, 8, (-1, 0), 0.0), (2, 5, 3001, 8, 2, (-1, 3), 0.0), (1, 128, 40000, 1, 1, (-1, 0), 0.0),
     (3, 2, 2049, 4, 4, (2048, 0), 30.0), (1, 64, 9000, 2, 1, (-1, 40), 0.0)])
