@@ -354,7 +354,7 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     assert fwd_sm90.kv_splits(_problem(**draft, **fp8, window_right=0, causal=True)) == 1
     masked = fwd_sm90._select_split(_problem(**draft, window_right=0, causal=True), 128, False)
     assert masked.split_kv and masked.masked and not masked.pass_by
-    assert fwd_sm90._select_split(_problem(**{**draft, "headdim": 64}, window_right=0, causal=True), 64, False).pass_by
+    assert fwd_sm90._select_split(_problem(**{**draft, "headdim": 256}, window_right=0, causal=True), 256, False).pass_by
     unmasked = fwd_sm90._select_split(_problem(**decode, window_right=0, causal=True), 128, False)
     assert unmasked.split_kv and not unmasked.masked and masked in fwd_sm90.variants_for((9, 0))
 

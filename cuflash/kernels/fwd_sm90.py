@@ -531,10 +531,12 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
 
 # Whether the masked split variants pass blocks by (a warpgroup whose rows see none of a part's keys, or
 # that has no rows: a step's few rows are all in the first), per compiled head dim. Measured on H100
-# (benchmarks/NOTES-sm90.md, session 37; causal steps of 4 rows): at 64, where the split row has three
-# consumers, 57-58 -> 38 us (MQA, 64k keys); at 128 1-10% slower (GQA 32/8, 8k and 32k keys), at 256
-# even. 192 not measured: as 128.
-SPLIT_MASKED_PASS_BY = {64: True, 128: False, 192: False, 256: False}
+# (benchmarks/NOTES-sm90.md, session 37; causal steps of 4 rows): at 128 1-10% slower with it (GQA
+# 32/8, 8k and 32k keys), at 256 even, and there it keeps ptxas' loop counters uniform (5 R2UR in
+# the main loop against 32 without; test_kernels_offline bounds them). At 64 it would take the MQA
+# step from 57 to 38 us, but ptxas then leaves 46 R2UR in the loop: not taken until that is fixed.
+# 192 not measured: as 128.
+SPLIT_MASKED_PASS_BY = {64: False, 128: False, 192: False, 256: True}
 
 
 def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
