@@ -198,7 +198,8 @@ struct Tile {
 // do; below 2k keys, where that holds more K and V than L2 keeps, only the last wave's worth of
 // heads goes in a window (the draw's balance is decided by its last tiles).
 // kSplitKV (dense): a tile's num_splits parts are consecutive indices, each with its share of the
-// key blocks (from block 0: masked, a part may hold none of the blocks a tile's rows see).
+// key blocks counted from block 0, clamped to the tile's (a part left empty would store O 0 and
+// LSE -inf; fwd_sm90.py's split_masked keeps masked parts from that).
 template <int kBlockM, int kBlockN, bool kVarlen, bool kMasked, bool kSplitKV>
 __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
   Tile t;

@@ -385,7 +385,7 @@ def test_sm90_split_kv_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     if seqlen_q > 1:  # (one query row sees every key under a causal mask: split unmasked, above)
         causal = dict(kw, causal=True)
         masked = _problem("attention_forward", q, k, "sm90", **causal)
-        block_m = fwd_sm90.ROWS_PER_CONSUMER * fwd_sm90._split_tiles(masked)[0]
+        block_m = fwd_sm90.split_block_m(masked)
         assert (fwd_sm90.kv_splits(masked) > 1) == (seqlen_q <= block_m)
         dispatch.clear_plans()
         out, lse = gpu_attention.run_poisoned(masked, inputs, q.shape, lse_shape, torch.bfloat16)

@@ -411,10 +411,9 @@ def kv_splits(problem) -> int:
     fp8 = problem.op == "attention_fp8_forward"
     if (problem.op != "attention_forward" and not fp8) or problem.headdim > (FP8_HEADDIMS if fp8 else HEADDIMS)[-1]:
         return 1
-    consumers, block_n = _split_tiles(problem)[:2]
-    block_m = ROWS_PER_CONSUMER * consumers
-    if not sees_every_key(problem) and (fp8 or not split_masked(problem, block_m)):
+    if not sees_every_key(problem) and (fp8 or not split_masked(problem)):
         return 1
+    block_m, block_n = split_block_m(problem), _split_tiles(problem)[1]
     tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
     blocks = math.ceil(problem.seqlen_k / block_n)
     most = min(SPLIT_KV_MAX, blocks,
@@ -430,16 +429,16 @@ def kv_splits(problem) -> int:
     return next(parts for parts, f in fill.items() if f >= SPLIT_KV_FILL * best)
 
 
-def split_masked(problem, block_m: int) -> bool:
-    """Whether a masked 16-bit problem may run split (kv_splits): a few query rows (at most block_m,
-    one row block a head) under a causal mask or a right window bound, with no left bound hiding keys
+def split_masked(problem) -> bool:
+    """Whether a masked 16-bit problem may run split (kv_splits): a few query rows (at most
+    split_block_m, one row block a head) under a causal mask or a right window bound, with no left bound hiding keys
     (a split part takes its share of every key block from 0 on: under a left window most parts would
     be empty). Speculative decoding's steps are such: each of a few new rows sees the cache and the
     new rows up to its own. The parts keep the mask (the masked split variants). (A part spans at
     least SPLIT_KV_KEYS_PER_ROW keys a row, more than the rows' ends differ by, so each row sees some
     key of every part; one that saw none would leave LSE -inf, which combine_splits weighs 0.)"""
     left = problem.window_left
-    return problem.seqlen_q <= block_m and (left < 0 or left >= problem.seqlen_k - 1)
+    return problem.seqlen_q <= split_block_m(problem) and (left < 0 or left >= problem.seqlen_k - 1)
 
 
 def split_parts(problem) -> int | None:
@@ -490,6 +489,11 @@ def _fp8_split_row(headdim: int) -> tuple[int, int, int, str, str, bool]:
     """e4m3's split variants take the head dim's first FP8_TILES row (V transposed in the kernel:
     a decode step's keys are read once, and a V^T pass would read them again)."""
     return FP8_TILES[headdim][0][1]
+
+
+def split_block_m(problem) -> int:
+    """Query rows of a tile of the problem's split variant (its tile row's consumers' rows)."""
+    return ROWS_PER_CONSUMER * _split_tiles(problem)[0]
 
 
 def _split_tiles(problem) -> tuple:
