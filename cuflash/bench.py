@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import itertools
 import subprocess
 import sys
 import time
@@ -183,6 +184,9 @@ class _Torch:
     def synchronize(self):
         self.torch.cuda.synchronize()
 
+    def l2_bytes(self) -> int:
+        return self.torch.cuda.get_device_properties(self.torch.cuda.current_device()).L2_cache_size
+
     def graph(self, call, calls: int):
         """`calls` calls of `call` captured in one CUDA graph; returns what replays it."""
         graph = self.torch.cuda.CUDAGraph()
@@ -257,6 +261,9 @@ class _CuPy:
     def synchronize(self):
         self.cupy.cuda.Device().synchronize()
 
+    def l2_bytes(self) -> int:
+        return self.cupy.cuda.Device().attributes["L2CacheSize"]
+
     def max_abs_diff(self, a, b) -> float:
         return float(abs(a.astype(self.cupy.float32) - b.astype(self.cupy.float32)).max())
 
@@ -291,16 +298,46 @@ def host_overhead_us(xp) -> float:
     return (time.perf_counter() - t0) / 200 * 1e6
 
 
-def implementations(xp, config: Config, backward: bool, extra=()) -> dict:
+# A decode row's calls cycle through copies of its inputs, so many that the K and V of the other
+# copies (read between two calls on one copy) come to EVICT_L2_TIMES the GPU's L2: each call then
+# reads its K and V from memory, as a serving step reads a layer's cache after every other layer's
+# has gone through the L2 since. With one copy, a step whose K and V fit in the L2 (H100: 50 MB)
+# reads them from there on every call but the first (batch 1 with 8k keys at head dim 128, 33.5 MB:
+# cuDNN's kernel 8.9 us, 3.8 TB/s, above what the HBM gives; benchmarks/NOTES-sm90.md, session 38).
+EVICT_L2_TIMES = 2
+
+
+def input_copies(config: Config, l2_bytes: int) -> int:
+    """Copies of the inputs `config`'s calls cycle through: one but for decode rows."""
+    if config.seqlen_q is None:
+        return 1
+    return 1 + -(-EVICT_L2_TIMES * l2_bytes // config.kv_bytes())
+
+
+def _cycling(calls: list):
+    """One call that makes the next of `calls` in turn (the first first)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def implementations(xp, config: Config, backward: bool, extra=(), copies: int = 1) -> dict:
     """name -> call for one configuration: the peers first (torch-flash is the error column's
     reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced),
     "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
     times it, and one per 128-row block; and attention(fp8=True, hadamard=True), which quantizes
     q, k and v each call: FP8 end to end; torch arrays only) and "deterministic" (the backward
-    with deterministic=True)."""
+    with deterministic=True). With `copies` > 1 each call cycles through that many sets of inputs
+    (input_copies), every implementation starting on the first."""
+    g = xp.generator(config.seqlen * config.headdim)
+    sets = [_implementations_on(xp, config, backward, extra, g) for _ in range(copies)]
+    return {name: (_cycling([s[name] for s in sets]) if copies > 1 else call) for name, call in sets[0].items()
+            if all(name in s for s in sets)}
+
+
+def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
+    """implementations' calls on one set of inputs drawn from generator `g`."""
     import cuflash
 
-    g = xp.generator(config.seqlen * config.headdim)
     shape = (config.batch, config.query_rows, config.nheads, config.headdim)
     q = xp.randn(shape, config.dtype, g)
     k, v = (xp.randn((config.batch, config.seqlen, config.kv_heads, config.headdim), config.dtype, g) for _ in range(2))
@@ -374,7 +411,8 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
     xp = xp or array_backend()
     rows = []
     for config in progress(grid, "backward" if backward else "forward"):
-        impls = implementations(xp, config, backward, extra)
+        copies = input_copies(config, xp.l2_bytes())
+        impls = implementations(xp, config, backward, extra, copies)
         outputs = {}
         for name, call in list(impls.items()):
             try:
@@ -386,6 +424,8 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
                 del impls[name]
                 continue
             outputs[name] = result[0] if backward else result  # out, or dq
+            for _ in range(copies - 1):  # each copy once before a graph captures it (cuDNN plans per address),
+                call()  # and back to the first
         ref = next(iter(outputs.values()))
         errors = {name: xp.max_abs_diff(out, ref) for name, out in outputs.items()}
         times = (time_graphs(xp, impls, reps, warmup, graph_calls) if graph_calls
@@ -396,7 +436,7 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
             deciles = statistics.quantiles(ts, n=10)
             rows.append(dict(impl=name, **asdict(config), ms=ms, tflops=config.flops(backward) / ms / 1e9,
                              spread_p10_p90=(deciles[-1] - deciles[0]) / ms, backward=backward,
-                             max_abs_diff_vs_first=errors[name], graph_calls=graph_calls,
+                             max_abs_diff_vs_first=errors[name], graph_calls=graph_calls, input_copies=copies,
                              **(annotate(name, config) if annotate else {}),
                              **state))
         line = "  ".join(f"{r['impl']} {r['tflops']:6.1f}" for r in rows[-len(times):])

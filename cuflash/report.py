@@ -119,11 +119,13 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
     out = [f"{title} on {rows[0]['gpu'] if rows else '?'}, {meta['date']}: microseconds a call, median of "
            f"{meta['reps']} interleaved repetitions"
            + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
-           + f"; {_clock_range(rows)}. TB/s: K and V's bytes (16-bit) over cuflash's time; speed-ups are times "
-           "over cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
-           "| dtype | hdim | batch | q rows | keys | heads (q/kv) | cuflash | " + " | ".join(peers)
+           + f"; {_clock_range(rows)}. Copies: the sets of inputs a row's calls cycle through, so that each reads K "
+           "and V from memory rather than from the L2 the previous call filled (cuflash.bench.input_copies; 1: the "
+           "same inputs every call). TB/s: K and V's bytes (16-bit) over cuflash's time; speed-ups are times over "
+           "cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
+           "| dtype | hdim | batch | q rows | keys | heads (q/kv) | copies | cuflash | " + " | ".join(peers)
            + " | cuflash TB/s | vs FA2 | vs cuDNN |" + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]
+           "|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]
     for key in sorted(cells):
         c = cells[key]
         if "cuflash" not in c:
@@ -133,7 +135,8 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
         over = lambda name, base="cuflash": f"{c[name]['ms'] / c[base]['ms']:.2f}" if name in c and base in c else "-"
         flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
         tbs = 2 * batch * seqlen_k * nheads_kv * headdim * 2 / (c["cuflash"]["ms"] * 1e9)
-        out.append(f"| {dtype} | {headdim} | {batch} | {seqlen_q} | {seqlen_k} | {nheads}/{nheads_kv} | {us('cuflash')} | "
+        out.append(f"| {dtype} | {headdim} | {batch} | {seqlen_q} | {seqlen_k} | {nheads}/{nheads_kv} | "
+                   + f"{c['cuflash'].get('input_copies', 1)} | {us('cuflash')} | "
                    + " | ".join(us(p) for p in peers) + f" | {tbs:.2f} | {over('torch-flash')} | {over('torch-cudnn')} |"
                    + (f" {over('cuflash', 'cuflash-fp8')} |" if fp8 else "")
                    + f" {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")

@@ -161,14 +161,14 @@ def test_report_tables_decode_steps(tmp_path):
     """decode_torch.json -> decode.md: microseconds, cuflash's bandwidth, its speed-ups, no chart."""
     rows = [dict(impl=impl, dtype="bfloat16", headdim=128, causal=False, seqlen=32768, batch=1, nheads=32,
                  seqlen_q=1, nheads_kv=8, ms=us / 1e3, tflops=0.0, sm_clock_mhz=1980, throttled=False,
-                 gpu="NVIDIA H100 80GB HBM3")
+                 gpu="NVIDIA H100 80GB HBM3", input_copies=2)
             for impl, us in (("cuflash", 50.0), ("torch-flash", 60.0), ("torch-cudnn", 55.0), ("cuflash-fp8", 40.0))]
     document = dict(meta=dict(date="2026-11-27", versions={"torch": "2.11.0"}, tokens=16384, hidden=2048, reps=15,
                               graph_calls=20), rows=rows)
     (tmp_path / "decode_torch.json").write_text(json.dumps(document))
     assert [p.name for p in report.write(tmp_path, charts=True)] == ["decode.md"]
     table = (tmp_path / "decode.md").read_text()
-    assert "| bfloat16 | 128 | 1 | 1 | 32768 | 32/8 | 50.0 | 60.0 | 55.0 | 40.0 | 2.68 | 1.20 | 1.10 | 1.25 | 1980 |" in table
+    assert "| bfloat16 | 128 | 1 | 1 | 32768 | 32/8 | 2 | 50.0 | 60.0 | 55.0 | 40.0 | 2.68 | 1.20 | 1.10 | 1.25 | 1980 |" in table
     assert "each a CUDA graph replay of 20 calls" in table
 
 
@@ -282,6 +282,21 @@ def test_graph_timing_counts_per_call_and_leaves_out_uncapturable_peers():
     xp.name = "cupy"
     with pytest.raises(NotImplementedError, match="needs PyTorch"):
         bench.time_graphs(xp, {"cuflash": cuflash_call}, reps=1, warmup=0, calls=2)
+
+
+def test_decode_rows_cycle_through_enough_input_copies_to_miss_the_l2():
+    """A decode row's calls read K and V from memory, not from the L2 the previous call filled: they
+    cycle through copies of the inputs whose others' K and V are at least twice the L2."""
+    l2 = 50 * 2**20
+    step = bench.Config("bfloat16", 128, False, 8192, 1, 64, seqlen_q=1, nheads_kv=8)  # 32 MiB of K and V
+    assert step.kv_bytes() == 32 * 2**20 and bench.input_copies(step, l2) == 5
+    assert bench.input_copies(bench.Config("bfloat16", 128, False, 32768, 8, 32, 1, 8), l2) == 2  # 1 GiB
+    assert bench.input_copies(bench.Config("bfloat16", 128, False, 8192, 2, 16), l2) == 1  # not decode
+    made = []
+    call = bench._cycling([lambda i=i: made.append(i) for i in range(3)])
+    for _ in range(5):
+        call()
+    assert made == [0, 1, 2, 0, 1]
 
 
 @pytest.mark.gpu
