@@ -363,15 +363,15 @@ def test_split_kv_parts_follow_the_measured_rules():
     """fwd_sm90.kv_splits on the shapes its rules were measured on (benchmarks/NOTES-sm90.md, "Decode
     shapes"): a part keeps at least SPLIT_KV_KEYS_PER_ROW keys a query row of its tile, and the
     parts' waves fill the SMs. Since combine_splits merges in one round trip, a part may be a single
-    key block: a decode step of 1k keys splits, and batch 1 with 8k keys takes 15 parts, not 9."""
+    key block: a decode step of 1k keys splits, and batch 1 with 8k keys takes 16 parts, not 9."""
     from cuflash.kernels import fwd_sm90
 
     def parts(**kw):
         problem = _problem(**{**dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=8, headdim=128), **kw})
         return fwd_sm90.kv_splits(forward.query_heads_as_rows(problem) or problem)
 
-    assert parts(seqlen_k=1024, nheads=32) == 6  # 8 tiles of 4 rows, 6 key blocks of 192: one a part
-    assert parts(seqlen_k=8192, nheads=64) == 15
+    assert parts(seqlen_k=1024, nheads=32) == 8  # 8 tiles of 4 rows, 8 key blocks of 128: one a part
+    assert parts(seqlen_k=8192, nheads=64) == 16  # (15 parts of 192-key blocks before SPLIT_TILES)
     assert parts(seqlen_k=32768, nheads=32) == 16
     # whole: fewer than 8 keys a query row per part (1k x 1k at 64, 512 x 512 at 256), or 80% of the SMs in tiles
     assert parts(seqlen_q=1024, seqlen_k=1024, headdim=64) == 1

@@ -393,8 +393,9 @@ class CombineSplitsVariant(Variant):
 # whole (16.8 / 14.8 then); since combine_splits merges in one round trip to memory (2.0-2.5 us a
 # call instead of 4.3-6.4), it is gone: 1k keys in 6 parts 11.0 / 13.5, 8k keys in 15 parts instead
 # of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
-# (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's longest-key
-# row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row (_fp8_split_row). A causal step of a
+# (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
+# row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row
+# (_fp8_split_row). A causal step of a
 # few rows (speculative decoding's) splits as well, 16-bit, by masked split variants (split_masked):
 # batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
@@ -481,7 +482,20 @@ def check_split_parts(problem, variant, parts: int) -> None:
     check_tile_count(variant.family, problem, variant, parts)
 
 
-def _split_row(headdim: int, softcap: bool) -> tuple[int, int, int, str, str]:
+# The unmasked 16-bit split variants' tile row where it is not the longest-key row of TILES: a
+# part's last key block is computed after its bytes have come, while the memory idles for that SM,
+# so narrower blocks shorten each part's tail. Measured at head dim 128 on H100 (decode rows of
+# bench.DECODE_SHAPES, K and V from memory, graphs replayed interleaved, two alternations;
+# benchmarks/NOTES-sm90.md, session 38): 128-key blocks in 2 stages against 192 in 2, 1-4% faster on
+# every split row (batch 1 with 8k keys 21.2 -> 20.3 us, with 32k 54.8-55.0 -> 53.2); in 3 stages 0-2%
+# slower than in 2. The masked ones keep 192 keys: with 128, speculative steps of 4 causal rows ran
+# 3-5% slower at 32k keys and as fast at 8k.
+SPLIT_TILES = {128: TILES[128][0][1]}
+
+
+def _split_row(headdim: int, softcap: bool, masked: bool) -> tuple[int, int, int, str, str]:
+    if headdim in SPLIT_TILES and not softcap and not masked:
+        return SPLIT_TILES[headdim]
     return _rows(headdim, softcap)[-1][1]
 
 
@@ -499,7 +513,7 @@ def split_block_m(problem) -> int:
 def _split_tiles(problem) -> tuple:
     if problem.op == "attention_fp8_forward":
         return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS))
-    return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0)
+    return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0, not sees_every_key(problem))
 
 
 def _rows(headdim: int, softcap: bool):
@@ -546,8 +560,8 @@ SPLIT_MASKED_PASS_BY = {64: False, 128: False, 192: False, 256: True}
 def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
     """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked)."""
     pass_by = SPLIT_MASKED_PASS_BY[headdim] if masked else PASS_BY[headdim][False]
-    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap), False, softcap, pass_by, masked, False,
-                          split_kv=True)
+    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap, masked), False, softcap, pass_by, masked,
+                          False, split_kv=True)
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
