@@ -64,9 +64,13 @@ class Config:
         return self.nheads if self.nheads_kv is None else self.nheads_kv
 
     def flops(self, backward: bool = False) -> float:
-        f = 4.0 * self.batch * self.nheads * self.query_rows * self.seqlen * self.headdim
-        f *= BACKWARD_FLOPS if backward else 1.0
-        return f / 2 if self.causal else f
+        """FlashAttention-3's count: a causal square problem counts half its pairs; a causal decode row
+        counts the pairs its bottom-right mask leaves (each draft row sees the cache and the rows up to it)."""
+        rows, keys = self.query_rows, self.seqlen
+        pairs = rows * keys / (2 if self.causal else 1)
+        if self.causal and self.seqlen_q is not None:
+            pairs = rows * (keys - rows) + rows * (rows + 1) / 2
+        return 4.0 * self.batch * self.nheads * pairs * self.headdim * (BACKWARD_FLOPS if backward else 1.0)
 
     def kv_bytes(self) -> int:
         """The bytes of K and V in the configuration's dtype: what a decode step must read."""
@@ -75,7 +79,7 @@ class Config:
     def label(self) -> str:
         if self.seqlen_q is not None:
             return (f"{self.dtype} d={self.headdim:3d} decode b={self.batch} q={self.seqlen_q} k={self.seqlen} "
-                    f"heads={self.nheads}/{self.kv_heads}")
+                    f"heads={self.nheads}/{self.kv_heads}{' causal' if self.causal else ''}")
         return f"{self.dtype} d={self.headdim:3d} causal={int(self.causal)} s={self.seqlen:5d}"
 
 
@@ -93,12 +97,17 @@ DECODE_SHAPES = ((1, 1, 32768, 32, 8, 128), (8, 1, 8192, 32, 8, 128), (32, 1, 20
                  (16, 1, 4096, 32, 4, 128), (1, 1, 8192, 64, 8, 128), (1, 1, 32768, 32, 32, 128),
                  (8, 1, 8192, 16, 16, 64), (2, 1, 16384, 16, 16, 256), (1, 4, 65536, 8, 1, 64),
                  (4, 16, 8192, 32, 32, 128))
+# Speculative decoding's verification steps: a few draft rows, causal, aligned bottom-right (each sees
+# the cache and the drafts up to itself; the peers take torch's causal_lower_right), same fields.
+SPECULATIVE_SHAPES = ((1, 4, 32768, 32, 8, 128), (1, 4, 8192, 32, 8, 128), (8, 4, 8192, 32, 8, 128),
+                      (1, 8, 32768, 32, 32, 128))
 
 
 def decode_configs(dtypes) -> list[Config]:
-    """DECODE_SHAPES in each dtype."""
-    return [Config(dtype, headdim, False, keys, batch, heads, seqlen_q=rows, nheads_kv=kv_heads)
-            for dtype in dtypes for batch, rows, keys, heads, kv_heads, headdim in DECODE_SHAPES]
+    """DECODE_SHAPES, then SPECULATIVE_SHAPES (causal), in each dtype."""
+    return [Config(dtype, headdim, causal, keys, batch, heads, seqlen_q=rows, nheads_kv=kv_heads)
+            for dtype in dtypes for causal, shapes in ((False, DECODE_SHAPES), (True, SPECULATIVE_SHAPES))
+            for batch, rows, keys, heads, kv_heads, headdim in shapes]
 
 
 def gpu_state() -> dict:
@@ -203,6 +212,7 @@ class _Torch:
         cuflash's (batch, seqlen, heads, dim) layout). A backend that cannot run the configuration
         is left out with a message."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         impls = {}
@@ -220,10 +230,14 @@ class _Torch:
                                                                           retain_graph=True)))
             else:
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                # SDPA's is_causal aligns top-left; cuflash's causal bottom-right, which
+                # causal_lower_right gives where the rows are fewer than the keys
+                mask = dict(is_causal=causal) if not causal or q.shape[1] == k.shape[1] else dict(
+                    attn_mask=causal_lower_right(q.shape[1], k.shape[1]))
 
                 def call(backend=backend):
                     with sdpa_kernel(backend):
-                        return sdpa(qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1]).transpose(1, 2)
+                        return sdpa(qt, kt, vt, **mask, enable_gqa=qt.shape[1] != kt.shape[1]).transpose(1, 2)
                 impls[name] = call
         return impls
 

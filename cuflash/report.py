@@ -113,7 +113,8 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
     meta = results[0]["meta"]
     cells = defaultdict(dict)
     for r in rows:
-        cells[(r["dtype"], r["headdim"], r["batch"], r["seqlen_q"], r["seqlen"], r["nheads"], r["nheads_kv"])][r["impl"]] = r
+        cells[(r["dtype"], r["headdim"], bool(r["causal"]), r["batch"], r["seqlen_q"], r["seqlen"], r["nheads"],
+               r["nheads_kv"])][r["impl"]] = r
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
     fp8 = "cuflash-fp8" in peers
     out = [f"{title} on {rows[0]['gpu'] if rows else '?'}, {meta['date']}: microseconds a call, median of "
@@ -121,21 +122,22 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
            + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
            + f"; {_clock_range(rows)}. Copies: the sets of inputs a row's calls cycle through, so that each reads K "
            "and V from memory rather than from the L2 the previous call filled (cuflash.bench.input_copies; 1: the "
-           "same inputs every call). TB/s: K and V's bytes (16-bit) over cuflash's time; speed-ups are times over "
-           "cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
-           "| dtype | hdim | batch | q rows | keys | heads (q/kv) | copies | cuflash | " + " | ".join(peers)
+           "same inputs every call). Causal rows (speculative decoding's steps) align the mask bottom-right, the "
+           "peers through torch's causal_lower_right. TB/s: K and V's bytes (16-bit) over cuflash's time; "
+           "speed-ups are times over cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
+           "| dtype | hdim | causal | batch | q rows | keys | heads (q/kv) | copies | cuflash | " + " | ".join(peers)
            + " | cuflash TB/s | vs FA2 | vs cuDNN |" + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
-           "|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]
+           "|---|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]
     for key in sorted(cells):
         c = cells[key]
         if "cuflash" not in c:
             continue
-        dtype, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv = key
+        dtype, headdim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_kv = key
         us = lambda name: f"{1e3 * c[name]['ms']:.1f}" if name in c else "-"
         over = lambda name, base="cuflash": f"{c[name]['ms'] / c[base]['ms']:.2f}" if name in c and base in c else "-"
         flag = " (throttled)" if any(r.get("throttled") for r in c.values()) else ""
         tbs = 2 * batch * seqlen_k * nheads_kv * headdim * 2 / (c["cuflash"]["ms"] * 1e9)
-        out.append(f"| {dtype} | {headdim} | {batch} | {seqlen_q} | {seqlen_k} | {nheads}/{nheads_kv} | "
+        out.append(f"| {dtype} | {headdim} | {int(causal)} | {batch} | {seqlen_q} | {seqlen_k} | {nheads}/{nheads_kv} | "
                    + f"{c['cuflash'].get('input_copies', 1)} | {us('cuflash')} | "
                    + " | ".join(us(p) for p in peers) + f" | {tbs:.2f} | {over('torch-flash')} | {over('torch-cudnn')} |"
                    + (f" {over('cuflash', 'cuflash-fp8')} |" if fp8 else "")

@@ -149,7 +149,10 @@ def test_bench_sizing_is_flashattention3s():
 def test_bench_decode_steps_read_their_keys_once():
     """Decode rows: a few query rows against long keys, GQA's kv heads; FLOPs and K and V's bytes."""
     grid = bench.decode_configs(["bfloat16"])
-    assert len(grid) == len(bench.DECODE_SHAPES) and not any(c.causal for c in grid)
+    assert len(grid) == len(bench.DECODE_SHAPES) + len(bench.SPECULATIVE_SHAPES)
+    assert [c.causal for c in grid] == [False] * len(bench.DECODE_SHAPES) + [True] * len(bench.SPECULATIVE_SHAPES)
+    assert grid[-1].label().endswith("heads=32/32 causal")
+    assert grid[-1].flops() == 4.0 * 32 * (8 * (32768 - 8) + 8 * 9 / 2) * 128  # the pairs a bottom-right mask leaves
     c = next(c for c in grid if (c.batch, c.seqlen_q, c.seqlen, c.nheads, c.nheads_kv) == (1, 1, 32768, 32, 8))
     assert c.query_rows == 1 and c.kv_heads == 8 and "decode b=1 q=1 k=32768 heads=32/8" in c.label()
     assert c.flops() == 4.0 * 32 * 32768 * 128 and c.kv_bytes() == 2 * 32768 * 8 * 128 * 2
@@ -168,7 +171,7 @@ def test_report_tables_decode_steps(tmp_path):
     (tmp_path / "decode_torch.json").write_text(json.dumps(document))
     assert [p.name for p in report.write(tmp_path, charts=True)] == ["decode.md"]
     table = (tmp_path / "decode.md").read_text()
-    assert "| bfloat16 | 128 | 1 | 1 | 32768 | 32/8 | 2 | 50.0 | 60.0 | 55.0 | 40.0 | 2.68 | 1.20 | 1.10 | 1.25 | 1980 |" in table
+    assert "| bfloat16 | 128 | 0 | 1 | 1 | 32768 | 32/8 | 2 | 50.0 | 60.0 | 55.0 | 40.0 | 2.68 | 1.20 | 1.10 | 1.25 | 1980 |" in table
     assert "each a CUDA graph replay of 20 calls" in table
 
 
