@@ -23,10 +23,10 @@ tuning options). Without PyTorch, cuflash is timed alone on CuPy arrays.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
-import itertools
 import subprocess
 import sys
 import time

@@ -395,9 +395,9 @@ class CombineSplitsVariant(Variant):
 # of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
 # row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row
-# (_fp8_split_row). A causal step of a
-# few rows (speculative decoding's) splits as well, 16-bit, by masked split variants (split_masked):
-# batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim 128 102 us split against 400 whole.
+# (_fp8_split_row). A causal step of a few rows (speculative decoding's) splits as well, 16-bit, by
+# masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim
+# 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
