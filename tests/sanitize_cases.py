@@ -116,7 +116,12 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 # split-KV; MHA split
                                                 ((1, 1, 16, 128), (1, 5000, 4, 128), 128, True),
                                                 ((4, 1, 32, 64), (4, 700, 8, 64), None, True),
-                                                ((2, 1, 8, 256), (2, 3000, 8, 256), None, True)):
+                                                ((2, 1, 8, 256), (2, 3000, 8, 256), None, True),
+                                                # speculative steps of a few causal rows: the masked
+                                                # split variants (at head dim 256 passing blocks by)
+                                                ((1, 4, 8, 128), (1, 6000, 2, 128), 128, True),
+                                                ((1, 3, 2, 256), (1, 2500, 1, 256), None, True),
+                                                ((1, 4, 8, 64), (1, 5000, 1, 64), 128, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)

@@ -328,8 +328,8 @@ def test_decode_gqa_as_rows_reads_q_descales_one_a_row(blocks):
 def test_every_row_sees_every_key_and_such_few_tiles_split():
     """forward.sees_every_key, the bounds exactly (bottom-right aligned); fwd_sm90.kv_splits splits a
     causal decode step's few tiles (its one row sees every key), a causal step of a few rows (masked
-    split variants, 16-bit), and not the same keys under a left window that hides some, nor e4m3
-    under a mask that hides some, nor masked rows beyond one row block a head."""
+    split variants, 16-bit or e4m3), and not the same keys under a left window that hides some, nor
+    masked rows beyond one row block a head."""
     from cuflash.kernels import fwd_sm90
 
     every = lambda **kw: forward.sees_every_key(_problem(**{**dict(seqlen_q=3, seqlen_k=40), **kw}))
@@ -351,7 +351,11 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     assert fwd_sm90.kv_splits(_problem(**{**draft, "seqlen_q": block_m + 1}, window_right=0, causal=True)) == 1
     fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn")
     assert fwd_sm90.kv_splits(_problem(**draft, **fp8)) > 1
-    assert fwd_sm90.kv_splits(_problem(**draft, **fp8, window_right=0, causal=True)) == 1
+    assert fwd_sm90.kv_splits(_problem(**draft, **fp8, window_right=0, causal=True)) > 1
+    assert fwd_sm90.kv_splits(_problem(**draft, **fp8, window_left=32766, window_right=0, causal=True)) == 1
+    fp8_masked = fwd_sm90._select_split(_problem(**draft, **fp8, out_dtype="bfloat16", window_right=0, causal=True),
+                                        128, False)
+    assert fp8_masked.split_kv and fp8_masked.masked and fp8_masked in fwd_sm90.fp8_variants_for((9, 0))
     masked = fwd_sm90._select_split(_problem(**draft, window_right=0, causal=True), 128, False)
     assert masked.split_kv and masked.masked and not masked.pass_by
     assert fwd_sm90._select_split(_problem(**{**draft, "headdim": 256}, window_right=0, causal=True), 256, False).pass_by

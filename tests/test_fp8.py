@@ -396,7 +396,8 @@ def test_quantize_fp8_refuses_cupy_arrays_by_name():
 def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
     """The kernel's transposing warps count a tile's key blocks in 16 bits: select refuses (and
     dispatch then says why) instead of letting the count wrap, which would hang the kernel; a causal
-    tile's blocks, or a split-KV part's (few tiles, every row seeing every key)."""
+    tile's blocks (two row blocks: no split), or a split-KV part's (few tiles, every row seeing every
+    key, or a causal step within one row block)."""
 
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import fwd_sm90
@@ -404,14 +405,14 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
 
     most = fwd_sm90.FP8_MAX_KEY_BLOCKS * 128
     problem = Problem(op="attention_fp8_forward", framework="torch", device=Device("cuda", 0), dtype="float8_e4m3fn",
-                      batch=1, seqlen_q=128, seqlen_k=most + 1, nheads=1, nheads_kv=1, headdim=128,
+                      batch=1, seqlen_q=256, seqlen_k=most + 1, nheads=1, nheads_kv=1, headdim=128,
                       softmax_scale=0.1, out_dtype="bfloat16", causal=True, window_right=0)
 
     def rows(seqlen):
         return DeviceArray(ptr=1 << 20, shape=(1, seqlen, 1, 128), strides=(seqlen * 128, 128, 128, 1))
 
     descale = DeviceArray(ptr=1 << 20, shape=(1, 1), strides=(1, 1))
-    inputs = dict(q=rows(128), k=rows(most + 1), v=rows(most + 1), q_descale=descale, k_descale=descale,
+    inputs = dict(q=rows(256), k=rows(most + 1), v=rows(most + 1), q_descale=descale, k_descale=descale,
                   v_descale=descale)
     with pytest.raises(ValueError, match=f"at most {most} keys per sequence here; got seqlen_k {most + 1}"):
         fwd_sm90.select_fp8(problem, inputs)
@@ -419,6 +420,9 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
     assert accepted.family == "fwd_fp8_sm90" and accepted.headdim == 128
     split = dataclasses.replace(problem, causal=False, window_right=-1)
     assert fwd_sm90.select_fp8(split, inputs).split_kv  # parts of fewer blocks
+    step = dataclasses.replace(problem, seqlen_q=128)
+    masked_split = fwd_sm90.select_fp8(step, dict(inputs, q=rows(128)))
+    assert masked_split.split_kv and masked_split.masked
     parts = fwd_sm90.kv_splits(split)
     too_many = parts * most + 1
     with pytest.raises(ValueError, match=f"at most {parts * most} keys per sequence here; got seqlen_k {too_many}"):

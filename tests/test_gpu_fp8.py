@@ -242,6 +242,37 @@ def test_fp8_decode_as_rows_and_split_kv_match_reference(batch, seqlen_q, seqlen
         "results moved between identical runs: a race"
 
 
+@hopper_only
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv, window", [
+    (1, 4, 20000, 16, 4, (-1, 0)), (2, 5, 3001, 8, 2, (-1, 3)), (1, 64, 9000, 2, 1, (-1, 40)),
+    (1, 128, 5000, 1, 1, (8999, 0))])
+def test_fp8_masked_split_kv_matches_reference(batch, seqlen_q, seqlen_k, nheads, nheads_kv, window, headdim, block):
+    """FP8 speculative steps (a few rows, causal or right-bounded, GQA, a left bound that hides no key)
+    run the e4m3 masked split variants: per-head and per-128-row descales against the reference, the
+    outputs and the partials' workspace poisoned, bit for bit again."""
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim + seqlen_q)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    k[:, ::7] *= 4
+    v[:, 1::5] *= 3
+    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    kw = dict(causal=window == (-1, 0), window=window, softmax_scale=None)
+    problem = _problem(q8, k8, kw, torch.bfloat16)
+    assert fwd_sm90.kv_splits(problem) > 1
+    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    lse_shape = (batch, nheads, seqlen_q)
+    dispatch.clear_plans()
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert [(variant.split_kv, variant.masked) for _, variant in dispatch._plans.values()] == [(True, True)]
+    _check(out, lse, quantized, kw)
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+
+
 def _v_transposed(v8):
     """e4m3 V (batch, seqlen, heads, dim) as the pre-transposed FP8 forward loads it (as uint8 bits):
     (batch, heads, dim, seqlen padded to 16 with zeros), keys within each group of 16 in the order the

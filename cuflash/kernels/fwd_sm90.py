@@ -249,9 +249,9 @@ class FwdSm90Variant(Variant):
             raise ValueError(f"fwd_sm90: tensor_row_sums is for e4m3 at head dims {sorted(FP8_TENSOR_ROW_SUMS)}")
         if self.v_pretransposed and not fp8:
             raise ValueError("fwd_sm90: v_pretransposed is for e4m3 (16-bit V is read as it is)")
-        if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed or (self.masked and fp8)):
-            raise ValueError("fwd_sm90: split_kv is for dense attention with fp32 row sums (the LSE), 16-bit if "
-                             "masked, e4m3 with V transposed in the kernel")
+        if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed):
+            raise ValueError("fwd_sm90: split_kv is for dense attention with fp32 row sums (the LSE), e4m3 with V "
+                             "transposed in the kernel")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -395,7 +395,7 @@ class CombineSplitsVariant(Variant):
 # of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
 # row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row
-# (_fp8_split_row). A causal step of a few rows (speculative decoding's) splits as well, 16-bit, by
+# (_fp8_split_row). A causal step of a few rows (speculative decoding's) splits as well, by
 # masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim
 # 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
@@ -407,12 +407,12 @@ SPLIT_KV_KEYS_PER_ROW = 8
 def kv_splits(problem) -> int:
     """The parts split-KV cuts each tile's key blocks into (1: no split): for dense forwards (16-bit
     or e4m3) with fewer tiles than 80% of SPLIT_KV_SMS, by the rules above, where every row sees
-    every key (as a causal decode step's one row does) or, 16-bit, under a causal mask or right
-    window bound with at most one row block a head (split_masked)."""
+    every key (as a causal decode step's one row does) or under a causal mask or right window bound
+    with at most one row block a head (split_masked)."""
     fp8 = problem.op == "attention_fp8_forward"
     if (problem.op != "attention_forward" and not fp8) or problem.headdim > (FP8_HEADDIMS if fp8 else HEADDIMS)[-1]:
         return 1
-    if not sees_every_key(problem) and (fp8 or not split_masked(problem)):
+    if not sees_every_key(problem) and not split_masked(problem):
         return 1
     block_m, block_n = split_block_m(problem), _split_tiles(problem)[1]
     tiles = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / block_m)
@@ -431,7 +431,7 @@ def kv_splits(problem) -> int:
 
 
 def split_masked(problem) -> bool:
-    """Whether a masked 16-bit problem may run split (kv_splits): a few query rows (at most
+    """Whether a masked problem may run split (kv_splits): a few query rows (at most
     split_block_m, one row block a head) under a causal mask or a right window bound, with no left bound hiding keys
     (a split part takes its share of every key block from 0 on: under a left window most parts would
     be empty). Speculative decoding's steps are such: each of a few new rows sees the cache and the
@@ -468,8 +468,9 @@ def _select_split(problem, headdim: int, forced: bool) -> FwdSm90Variant | None:
     if parts is None or (forced and not problem.q_descale_per_row):
         return None
     fp8 = problem.op == "attention_fp8_forward"
-    variant = (_fp8_split_variant(problem.out_dtype, headdim) if fp8
-               else _split_variant(problem.dtype, headdim, problem.softcap > 0, not sees_every_key(problem)))
+    masked = not sees_every_key(problem)
+    variant = (_fp8_split_variant(problem.out_dtype, headdim, masked) if fp8
+               else _split_variant(problem.dtype, headdim, problem.softcap > 0, masked))
     check_split_parts(problem, variant, parts)
     return variant
 
@@ -576,15 +577,18 @@ def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]
                       for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
                       for mask in mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
                       if not sums or tensor_row_sums_fit(hd, tiles))
-    split = tuple(_fp8_split_variant(out, hd) for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS)  # (their
-    # combine_splits is among fwd_sm90's variants)
+    split = tuple(_fp8_split_variant(out, hd, masked) for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS
+                  for masked in (False, True))  # (their combine_splits is among fwd_sm90's variants)
     return attention + split + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
-def _fp8_split_variant(out_dtype: str, headdim: int) -> FwdSm90Variant:
+def _fp8_split_variant(out_dtype: str, headdim: int, masked: bool) -> FwdSm90Variant:
+    """The e4m3 split variant of this head dim (masked: split_masked, passing blocks by as the 16-bit
+    masked split variants do)."""
     tiles = _fp8_split_row(headdim)
-    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, FP8_PASS_BY[headdim][False], False,
-                             tiles[5], False, split_kv=True)
+    pass_by = SPLIT_MASKED_PASS_BY[headdim] if masked else FP8_PASS_BY[headdim][False]
+    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, pass_by, masked, tiles[5], False,
+                             split_kv=True)
 
 
 def _token_strides(problem, array) -> tuple[int, ...]:
