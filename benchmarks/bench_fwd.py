@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jax", action="store_true", help="run the JAX cuDNN peer (its own process)")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (torch peers)")
-    parser.add_argument("--decode", action="store_true", help="time decode steps (cuflash.bench.DECODE_SHAPES) "
-                        "instead of the FA3 grid, forward, torch peers -> DIR/decode_torch.json")
+    parser.add_argument("--decode", action="store_true", help="time decode steps (cuflash.bench.DECODE_SHAPES and "
+                        "SPECULATIVE_SHAPES) instead of the FA3 grid, forward, torch peers -> DIR/decode_torch.json")
     parser.add_argument("--dtypes", default="bfloat16", type=lambda s: s.split(","))
     parser.add_argument("--headdims", default=",".join(map(str, bench.HEADDIMS)),
                         type=lambda s: [int(x) for x in s.split(",")])

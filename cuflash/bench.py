@@ -67,9 +67,12 @@ class Config:
         """FlashAttention-3's count: a causal square problem counts half its pairs; a causal decode row
         counts the pairs its bottom-right mask leaves (each draft row sees the cache and the rows up to it)."""
         rows, keys = self.query_rows, self.seqlen
-        pairs = rows * keys / (2 if self.causal else 1)
-        if self.causal and self.seqlen_q is not None:
+        if not self.causal or self.seqlen_q is None:
+            pairs = rows * keys / (2 if self.causal else 1)
+        elif rows <= keys:  # row i sees keys - rows + i + 1 keys
             pairs = rows * (keys - rows) + rows * (rows + 1) / 2
+        else:  # the first rows - keys rows see none
+            pairs = keys * (keys + 1) / 2
         return 4.0 * self.batch * self.nheads * pairs * self.headdim * (BACKWARD_FLOPS if backward else 1.0)
 
     def kv_bytes(self) -> int:
@@ -98,7 +101,9 @@ DECODE_SHAPES = ((1, 1, 32768, 32, 8, 128), (8, 1, 8192, 32, 8, 128), (32, 1, 20
                  (8, 1, 8192, 16, 16, 64), (2, 1, 16384, 16, 16, 256), (1, 4, 65536, 8, 1, 64),
                  (4, 16, 8192, 32, 32, 128))
 # Speculative decoding's verification steps: a few draft rows, causal, aligned bottom-right (each sees
-# the cache and the drafts up to itself; the peers take torch's causal_lower_right), same fields.
+# the cache and the drafts up to itself), same fields. The peers take torch's causal_lower_right:
+# FlashAttention-2 natively, cuDNN as a dense mask made each call (SDPA's cuDNN backend has only the
+# top-left causal), so its time there is not its causal kernel's.
 SPECULATIVE_SHAPES = ((1, 4, 32768, 32, 8, 128), (1, 4, 8192, 32, 8, 128), (8, 4, 8192, 32, 8, 128),
                       (1, 8, 32768, 32, 32, 128))
 
@@ -231,7 +236,8 @@ class _Torch:
             else:
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 # SDPA's is_causal aligns top-left; cuflash's causal bottom-right, which
-                # causal_lower_right gives where the rows are fewer than the keys
+                # causal_lower_right gives where the rows are fewer than the keys (FlashAttention-2
+                # runs it natively; cuDNN's backend takes it as a dense mask, as SDPA passes it)
                 mask = dict(is_causal=causal) if not causal or q.shape[1] == k.shape[1] else dict(
                     attn_mask=causal_lower_right(q.shape[1], k.shape[1]))
 
@@ -321,11 +327,12 @@ def host_overhead_us(xp) -> float:
 EVICT_L2_TIMES = 2
 
 
-def input_copies(config: Config, l2_bytes: int) -> int:
-    """Copies of the inputs `config`'s calls cycle through: one but for decode rows."""
+def input_copies(config: Config, l2_bytes: int, element_bytes: int = 2) -> int:
+    """Copies of the inputs `config`'s calls cycle through: one but for decode rows, counted for the
+    smallest K and V an implementation reads (element_bytes: 1 where e4m3 ones are timed)."""
     if config.seqlen_q is None:
         return 1
-    return 1 + -(-EVICT_L2_TIMES * l2_bytes // config.kv_bytes())
+    return 1 + -(-EVICT_L2_TIMES * l2_bytes // (config.kv_bytes() // 2 * element_bytes))
 
 
 def _cycling(calls: list):
@@ -425,12 +432,14 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
     xp = xp or array_backend()
     rows = []
     for config in progress(grid, "backward" if backward else "forward"):
-        copies = input_copies(config, xp.l2_bytes())
+        copies = input_copies(config, xp.l2_bytes(), 1 if "fp8" in extra else 2)
         impls = implementations(xp, config, backward, extra, copies)
         outputs = {}
         for name, call in list(impls.items()):
             try:
                 result = call()
+                for _ in range(copies - 1):  # each copy once before a graph captures it (cuDNN plans per
+                    call()  # address), and back to the first
             except (RuntimeError, NotImplementedError) as e:  # a peer that cannot run this configuration
                 if name.startswith("cuflash"):
                     raise  # cuflash's own failure is an error, not a missing peer
@@ -438,8 +447,6 @@ def run(grid: list[Config], *, backward=False, reps=30, warmup=5, extra=(), xp=N
                 del impls[name]
                 continue
             outputs[name] = result[0] if backward else result  # out, or dq
-            for _ in range(copies - 1):  # each copy once before a graph captures it (cuDNN plans per address),
-                call()  # and back to the first
         ref = next(iter(outputs.values()))
         errors = {name: xp.max_abs_diff(out, ref) for name, out in outputs.items()}
         times = (time_graphs(xp, impls, reps, warmup, graph_calls) if graph_calls

@@ -106,8 +106,8 @@ def render(results: list[dict], title: str = "Forward") -> str:
 
 
 def render_decode(results: list[dict], title: str = "Decode steps") -> str:
-    """A markdown table of decode rows (cuflash.bench.DECODE_SHAPES): microseconds of every
-    implementation, the bandwidth cuflash reads K and V at, its speed over FA2's and cuDNN's (their
+    """A markdown table of decode rows (cuflash.bench.DECODE_SHAPES, SPECULATIVE_SHAPES): microseconds
+    of every implementation, the bandwidth cuflash reads K and V at, its speed over FA2's and cuDNN's (their
     time over its), the FP8 kernel's over cuflash's 16-bit one, the clock."""
     rows = [r for res in results for r in res["rows"]]
     meta = results[0]["meta"]
@@ -123,8 +123,8 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
            + f"; {_clock_range(rows)}. Copies: the sets of inputs a row's calls cycle through, so that each reads K "
            "and V from memory rather than from the L2 the previous call filled (cuflash.bench.input_copies; 1: the "
            "same inputs every call). Causal rows (speculative decoding's steps) align the mask bottom-right, the "
-           "peers through torch's causal_lower_right. TB/s: K and V's bytes (16-bit) over cuflash's time; "
-           "speed-ups are times over cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
+           "peers through torch's causal_lower_right (cuDNN's backend as a dense mask made each call). TB/s: K "
+           "and V's bytes (16-bit) over cuflash's time; speed-ups are times over cuflash's.", "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | batch | q rows | keys | heads (q/kv) | copies | cuflash | " + " | ".join(peers)
            + " | cuflash TB/s | vs FA2 | vs cuDNN |" + (" fp8 / cuflash |" if fp8 else "") + " clock MHz |",
            "|---|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|---|---|" + ("---|" if fp8 else "") + "---|"]

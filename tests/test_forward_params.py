@@ -342,7 +342,7 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     assert fwd_sm90.kv_splits(_problem(**decode, window_left=1000)) == 1
     assert fwd_sm90.kv_splits(_problem(**{**decode, "batch": 8, "nheads": 16, "nheads_kv": 16})) == 1  # 128 tiles
     draft = dict(decode, seqlen_q=4, nheads_kv=8)  # a speculative step: 4 new rows, causal
-    block_m = fwd_sm90.split_block_m(_problem(**draft))
+    block_m = fwd_sm90.split_block_m(_problem(**draft, window_right=0, causal=True))
     assert fwd_sm90.kv_splits(_problem(**draft, window_right=0, causal=True)) > 1
     assert fwd_sm90.kv_splits(_problem(**draft, window_right=2)) > 1
     assert fwd_sm90.kv_splits(_problem(**draft, window_left=32767, window_right=0, causal=True)) > 1  # (hides nothing)

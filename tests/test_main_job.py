@@ -153,6 +153,8 @@ def test_bench_decode_steps_read_their_keys_once():
     assert [c.causal for c in grid] == [False] * len(bench.DECODE_SHAPES) + [True] * len(bench.SPECULATIVE_SHAPES)
     assert grid[-1].label().endswith("heads=32/32 causal")
     assert grid[-1].flops() == 4.0 * 32 * (8 * (32768 - 8) + 8 * 9 / 2) * 128  # the pairs a bottom-right mask leaves
+    more_rows = bench.Config("bfloat16", 64, True, 4, 1, 1, seqlen_q=8)  # rows 0-3 see no key, 4-7 see 1-4
+    assert more_rows.flops() == 4.0 * (1 + 2 + 3 + 4) * 64
     c = next(c for c in grid if (c.batch, c.seqlen_q, c.seqlen, c.nheads, c.nheads_kv) == (1, 1, 32768, 32, 8))
     assert c.query_rows == 1 and c.kv_heads == 8 and "decode b=1 q=1 k=32768 heads=32/8" in c.label()
     assert c.flops() == 4.0 * 32 * 32768 * 128 and c.kv_bytes() == 2 * 32768 * 8 * 128 * 2
@@ -295,11 +297,41 @@ def test_decode_rows_cycle_through_enough_input_copies_to_miss_the_l2():
     assert step.kv_bytes() == 32 * 2**20 and bench.input_copies(step, l2) == 5
     assert bench.input_copies(bench.Config("bfloat16", 128, False, 32768, 8, 32, 1, 8), l2) == 2  # 1 GiB
     assert bench.input_copies(bench.Config("bfloat16", 128, False, 8192, 2, 16), l2) == 1  # not decode
+    assert bench.input_copies(step, l2, element_bytes=1) == 8  # e4m3 K and V timed beside: 16 MiB
     made = []
     call = bench._cycling([lambda i=i: made.append(i) for i in range(3)])
     for _ in range(5):
         call()
     assert made == [0, 1, 2, 0, 1]
+
+
+def test_run_compares_every_implementation_on_the_first_copy_and_times_from_it(monkeypatch):
+    """bench.run on a decode row: each implementation's first call (whose out the error column
+    compares) is on copy 0, every copy runs once before timing (a graph capture), and the timed calls
+    start on copy 0 again; a peer failing on a later copy is left out, not the run."""
+    made = {"cuflash": [], "torch-flash": [], "torch-cudnn": []}
+
+    def on_copy(xp, config, backward, extra, g, copy=iter(range(100))):
+        i = next(copy)
+
+        def call(name):
+            made[name].append(i)
+            if name == "torch-cudnn" and i == 1:
+                raise RuntimeError("cuDNN: no plan for this address")
+            return i
+        return {name: (lambda name=name: call(name)) for name in made}
+
+    monkeypatch.setattr(bench, "_implementations_on", on_copy)
+    monkeypatch.setattr(bench, "gpu_state", lambda: dict(sm_clock_mhz=1980, temperature_c=40, throttled=False))
+    xp = _FakeTiming()
+    xp.generator = lambda seed: None
+    xp.l2_bytes = lambda: 50 * 2**20
+    xp.max_abs_diff = lambda a, b: abs(a - b)
+    step = bench.Config("bfloat16", 128, False, 8192, 1, 64, seqlen_q=1, nheads_kv=8)
+    rows = bench.run([step], reps=2, warmup=0, xp=xp)
+    assert {r["impl"] for r in rows} == {"cuflash", "torch-flash"}
+    assert all(r["input_copies"] == 5 and r["max_abs_diff_vs_first"] == 0 for r in rows)
+    assert made["cuflash"] == [0, 1, 2, 3, 4, 0, 1] and made["torch-cudnn"] == [0, 1]
 
 
 @pytest.mark.gpu

@@ -392,7 +392,8 @@ class CombineSplitsVariant(Variant):
 # which it keeps whole. A rule of at least 4 key blocks a part also kept a decode step of 1k keys
 # whole (16.8 / 14.8 then); since combine_splits merges in one round trip to memory (2.0-2.5 us a
 # call instead of 4.3-6.4), it is gone: 1k keys in 6 parts 11.0 / 13.5, 8k keys in 15 parts instead
-# of 9 15.7 / 19.9, every other decode shape of bench.DECODE_SHAPES in the same parts as with it
+# of 9 15.7 / 19.9 (192-key blocks; 8 and 16 parts since SPLIT_TILES), every other decode shape of
+# bench.DECODE_SHAPES in the same parts as with it
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
 # row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row
 # (_fp8_split_row). A causal step of a few rows (speculative decoding's) splits as well, by
@@ -554,7 +555,8 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
 # 32/8, 8k and 32k keys), at 256 even, and there it keeps ptxas' loop counters uniform (5 R2UR in
 # the main loop against 32 without; test_kernels_offline bounds them). At 64 it would take the MQA
 # step from 57 to 38 us, but ptxas then leaves 46 R2UR in the loop: not taken until that is fixed.
-# 192 not measured: as 128.
+# 192 not measured: as 128. The e4m3 masked split variants take the same choices, not timed (offline:
+# 2 / 0 / 0 R2UR at 64 / 128 / 256; at 64 passing by would keep 0 in e4m3, at 256 not passing 79).
 SPLIT_MASKED_PASS_BY = {64: False, 128: False, 192: False, 256: True}
 
 
