@@ -555,9 +555,15 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
 # 32/8, 8k and 32k keys), at 256 even, and there it keeps ptxas' loop counters uniform (5 R2UR in
 # the main loop against 32 without; test_kernels_offline bounds them). At 64 it would take the MQA
 # step from 57 to 38 us, but ptxas then leaves 46 R2UR in the loop: not taken until that is fixed.
-# 192 not measured: as 128. The e4m3 masked split variants take the same choices, not timed (offline:
-# 2 / 0 / 0 R2UR at 64 / 128 / 256; at 64 passing by would keep 0 in e4m3, at 256 not passing 79).
+# 192 not measured: as 128.
 SPLIT_MASKED_PASS_BY = {64: False, 128: False, 192: False, 256: True}
+# As SPLIT_MASKED_PASS_BY, for the e4m3 masked split variants. At 64 ptxas keeps their counters
+# uniform passing blocks by (offline: 0 R2UR, 2 without), unlike the 16-bit ones, and it pays as the
+# 16-bit measurement said it would: H100, causal steps, K and V from memory (NOTES-fp8, session 38),
+# 4 rows with 8 heads on 1 and 64k keys, or 32 on 8 and 16k, 53 -> 35 us; batch 2, 8 rows, 16 on 2,
+# 8k keys 31 -> 21. At 128 and 256 the 16-bit choices, not timed in e4m3 (0 / 0 R2UR; 79 at 256
+# without pass-by).
+FP8_SPLIT_MASKED_PASS_BY = {64: True, 128: False, 256: True}
 
 
 def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
@@ -585,10 +591,9 @@ def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]
 
 
 def _fp8_split_variant(out_dtype: str, headdim: int, masked: bool) -> FwdSm90Variant:
-    """The e4m3 split variant of this head dim (masked: split_masked, passing blocks by as the 16-bit
-    masked split variants do)."""
+    """The e4m3 split variant of this head dim (masked: split_masked)."""
     tiles = _fp8_split_row(headdim)
-    pass_by = SPLIT_MASKED_PASS_BY[headdim] if masked else FP8_PASS_BY[headdim][False]
+    pass_by = FP8_SPLIT_MASKED_PASS_BY[headdim] if masked else FP8_PASS_BY[headdim][False]
     return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, pass_by, masked, tiles[5], False,
                              split_kv=True)
 
