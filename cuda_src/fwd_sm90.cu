@@ -245,7 +245,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 // the first kN keys of a key block in s, the S accumulators of one thread (rows `row` and row + 8,
 // columns from col0 on, relative to the sequence); scale: each row's log2-domain score scale.
 // Returns each row's O rescale factor in correction. kN is the block's width, or kHalfTop's half.
-template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, int kSAcc>
+template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, int kFmaEvery, int kSAcc>
 __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, int row, int col0, const Tile& t,
                                               int window_left, int window_right, float softcap_exp2_scale,
                                               float softcap, const float (&scale)[2], float (&row_max)[2],
@@ -270,7 +270,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
   }
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kMaxChains>(
+    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kMaxChains, kFmaEvery>(
         [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf], scale[hf]);
   }
 }
@@ -278,7 +278,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
-          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV>
+          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV, int kExpOnFma>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -344,6 +344,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
   constexpr int kMaxChains = kFp8 && kHeadDim == 256 ? 4 : 1;
+  // kExpOnFma > 0: every kExpOnFma-th exponential of a thread's row on the FMA pipe (ex2_fma), where
+  // the special-function unit is what the softmax waits on (e4m3; FwdSm90Variant.exp_on_fma).
+  static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
   // The softmax of a warpgroup's top key block on its first half only where its rows see only that
   // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;
   // the unmasked ones keep their smaller code, which the extra path cost 2-4%), with pass-by (its
@@ -822,13 +825,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const int row = t.m0 + wg * 64 + row_in_wg, col0 = n * kBlockN + 2 * (lane % 4);
         if constexpr (kHalfTop) {
           if (half) {
-            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains>(
+            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kExpOnFma>(
                 s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
                 row_sum, correction);
             return;
           }
         }
-        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains>(
+        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kExpOnFma>(
             s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
             row_sum, correction);
       };

@@ -494,6 +494,23 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         assert "lse" not in kernels.workspace(no_lse)
         with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
             dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
+    # Calls without the LSE take some exponentials on the FMA pipe on FP8_EXP_ON_FMA's rows (head dim
+    # 128's per-head row, 64's row-sums row), unmasked and masked as it says; calls with it, other
+    # rows and 16-bit variants none.
+    def exp_on_fma(p, inputs_changed=None, **changes):
+        p = dataclasses.replace(p, **changes)
+        return fwd_sm90.select_fp8(p, {**inputs(p), **(inputs_changed or {})}).exp_on_fma
+
+    for long, tiles in ((long_128, fwd_sm90.FP8_PER_HEAD_TILES[128]), (long_64, fwd_sm90.FP8_TILES[64][1][1])):
+        every = fwd_sm90.FP8_EXP_ON_FMA[(long.headdim, tiles)]
+        assert (exp_on_fma(long, with_lse=False), exp_on_fma(long, with_lse=False, window_right=0)) == every
+        assert exp_on_fma(long) == 0 == exp_on_fma(long, window_right=0)
+    assert max(fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_PER_HEAD_TILES[128])]) > 0
+    assert exp_on_fma(long_128, dict(k_descale=per_block, v_descale=per_block), with_lse=False) == 0  # 128-key row
+    assert exp_on_fma(problem, with_lse=False) == 0  # head dim 256
+    with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):
+        fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False, False, True,
+                                False, False, exp_on_fma=4).check()
     saved, fwd_sm90.fp8_tiles_override = fwd_sm90.fp8_tiles_override, {128: (2, 192, 2, "tile", "overlap", True)}
     try:
         with pytest.raises(ValueError, match="blocks of 192 keys need k_descale and v_descale per head"):

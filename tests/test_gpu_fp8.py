@@ -179,25 +179,30 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
 
 
 @hopper_only
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("headdim,row,block", [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
                                                for i in range(len(fp8_rows(hd, block is None)))])
-def test_fp8_every_table_row(headdim, row, block, with_lse):
+def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
     """Each row the kernel may take (fp8_rows) on a shape with ragged tails (keys not a multiple of
-    16 or of a block), GQA and a causal mask, with per-block and per-head descales, returning the LSE
-    or not (then, at head dims 64 and 128, P's row sums come from the tensor cores)."""
+    16 or of a block), GQA, causal or not, with per-block and per-head descales, returning the LSE
+    or not (then, at head dims 64 and 128, P's row sums come from the tensor cores and, on
+    FP8_EXP_ON_FMA's rows, some exponentials from the FMA pipe)."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
     (q8, qd), (k8, kd), (v8, vd) = quantized
-    kw = dict(causal=True, window=(-1, -1), softmax_scale=None)
+    kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
     problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
     with fp8_row(headdim, row, block is None):
         _, variant = dispatch.plan(problem, {name: arrays.device_array(x) for name, x in inputs.items()})
         assert variant.tensor_row_sums == (not with_lse and headdim in fwd_sm90.FP8_TENSOR_ROW_SUMS
                                            and variant.block_n == 128)  # (not the FP8_PER_HEAD_TILES row)
+        tiles = fp8_rows(headdim, block is None)[row]
+        every = fwd_sm90.FP8_EXP_ON_FMA.get((headdim, tiles), (0, 0))[causal]
+        assert variant.exp_on_fma == (0 if with_lse else every)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (2, 4, 333) if with_lse else None,
                                               torch.bfloat16)
     _check(out, lse, quantized, kw)

@@ -110,23 +110,29 @@ __device__ __forceinline__ float online_softmax_max(Score&& score, float& row_ma
 }
 
 // The exponentials 2^(score * scale_log2 - base) of kCols scores in place, each added to sum.
-// (fwd_sm80's fused P V calls it a 16-key slice at a time, with online_softmax_max's base.)
-template <int kCols, typename Score>
+// kFmaEvery > 0: those of every kFmaEvery-th column from the first on the FMA pipe (ex2_fma), the
+// rest on the special-function unit. (fwd_sm80's fused P V calls it a 16-key slice at a time, with
+// online_softmax_max's base.)
+template <int kCols, int kFmaEvery = 0, typename Score>
 __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_log2, float base, float& sum) {
+  static_assert(kFmaEvery >= 0, "kFmaEvery: 0, or every how many-th column");
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     float& x = score(c);
-    x = ex2(fmaf(x, scale_log2, -base));
+    if (kFmaEvery > 0 && c % (kFmaEvery > 0 ? kFmaEvery : 1) == 0)
+      x = ex2_fma(fmaf(x, scale_log2, -base));
+    else
+      x = ex2(fmaf(x, scale_log2, -base));
     sum += x;
   }
 }
 
-template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kChains = 1, typename Score>
+template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kChains = 1, int kFmaEvery = 0, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
   float m;
   const float correction = online_softmax_max<kCols, kStaleMax, kChains>(score, row_max, scale_log2, m);
   float sum = 0.f;
-  online_softmax_exp<kCols>(score, scale_log2, m - kExpOffset, sum);
+  online_softmax_exp<kCols, kFmaEvery>(score, scale_log2, m - kExpOffset, sum);
   row_sum = row_sum * correction + sum;
   return correction;
 }

@@ -144,6 +144,20 @@ FP8_TENSOR_ROW_SUMS = (64,)
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
+# e4m3, calls without the LSE, per (compiled head dim, tile row): (unmasked, masked) every this
+# many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma, ex2_fma: a quadratic,
+# six FMA-pipe instructions), the others on the special-function unit, which e4m3's softmax waits on
+# (at head dim 128 its exponentials are a sixth of the time: benchmarks/NOTES-fp8.md, session 29);
+# 0: all there. Measured on H100 beside all on that unit (CUDA graphs, interleaved, FA3 sizing;
+# NOTES-fp8.md, session 39), where the gain follows which columns move more than how many: head dim
+# 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at 4k-16k (every 24th the same,
+# every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count tried; head dim 64, the row sums'
+# row beyond 4k, every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th +3-4%, every 32nd -1%).
+# Not taken: the 128-key row at 128 (per-128-row descales, and attention(fp8=True)) -4 / -2 / -0.5%
+# every 4th / 8th / 16th; head dim 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative
+# error, up to 2.1e-3, is below e4m3's rounding of P but would reach the LSE of a row with few keys
+# (whose bound is 1e-3), so calls that return the LSE keep the unit's exponentials.
+FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (128, FP8_PER_HEAD_TILES[128]): (32, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
@@ -230,6 +244,7 @@ class FwdSm90Variant(Variant):
     v_pretransposed: bool  # e4m3: V^T comes from a workspace the launch writes first (FP8_TILES)
     tensor_row_sums: bool = False  # e4m3 without the LSE: P V sums P's rows too (FP8_TENSOR_ROW_SUMS)
     split_kv: bool = False  # tiles split by key blocks into float32 partials, then combine_splits (kv_splits)
+    exp_on_fma: int = 0  # e4m3: every this many-th exponential of a row on the FMA pipe, 0: none (FP8_EXP_ON_FMA)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -252,6 +267,9 @@ class FwdSm90Variant(Variant):
         if self.split_kv and (self.varlen or self.tensor_row_sums or self.v_pretransposed):
             raise ValueError("fwd_sm90: split_kv is for dense attention with fp32 row sums (the LSE), e4m3 with V "
                              "transposed in the kernel")
+        if self.exp_on_fma < 0 or (self.exp_on_fma and not fp8):
+            raise ValueError(f"fwd_sm90: exp_on_fma={self.exp_on_fma}: every how many-th exponential goes to the FMA "
+                             "pipe, 0 for none; e4m3 only")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -315,7 +333,7 @@ class FwdSm90Variant(Variant):
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers),
-                cxx_bool(self.split_kv))
+                cxx_bool(self.split_kv), str(self.exp_on_fma))
 
 
 @dataclass(frozen=True)
@@ -581,10 +599,8 @@ def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
 
 
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
-    attention = tuple(FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, tiles[5], sums)
-                      for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
-                      for mask in mask_choices(FP8_PASS_BY, hd) for sums in (False, True)
-                      if not sums or tensor_row_sums_fit(hd, tiles))
+    attention = tuple(variant for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
+                      for variant in fp8_row_variants(out, hd, tiles))
     split = tuple(_fp8_split_variant(out, hd, masked) for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS
                   for masked in (False, True))  # (their combine_splits is among fwd_sm90's variants)
     return attention + split + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
@@ -689,6 +705,22 @@ def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
     return headdim in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(headdim)
 
 
+def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bool], with_lse: bool) -> FwdSm90Variant:
+    """The e4m3 (whole, not split) variant of this tile row for a call with this (pass_by, masked)
+    (mask_fields) that returns the LSE or not: without it, P's row sums on the tensor cores where they
+    fit (FP8_TENSOR_ROW_SUMS) and, on the rows FP8_EXP_ON_FMA names, some exponentials on the FMA
+    pipe."""
+    exp_on_fma = 0 if with_lse else FP8_EXP_ON_FMA.get((headdim, tuple(tiles)), (0, 0))[mask[1]]
+    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, *mask, tiles[5],
+                             not with_lse and tensor_row_sums_fit(headdim, tiles), exp_on_fma=exp_on_fma)
+
+
+def fp8_row_variants(out_dtype: str, headdim: int, tiles: tuple) -> tuple[FwdSm90Variant, ...]:
+    """Every fp8_variant of this tile row: masked or not, with the LSE or not (once each)."""
+    return tuple(dict.fromkeys(fp8_variant(out_dtype, headdim, tiles, mask, with_lse)
+                               for mask in mask_choices(FP8_PASS_BY, headdim) for with_lse in (True, False)))
+
+
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     shape = _v_transposed_shape(problem)
     return {**split_workspace(problem), **({} if shape is None else {"v_transposed": (shape, FP8)})}
@@ -719,12 +751,11 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and fp8_forced_row(headdim) is None
             and not sums_wanted):
         tiles = FP8_PER_HEAD_TILES[headdim]
-    sums = not problem.with_lse and tensor_row_sums_fit(headdim, tiles)
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          "(batch, nheads_kv); per-128-row descales take blocks of 128")
-    variant = FwdFp8Sm90Variant(FP8, problem.out_dtype, headdim, *tiles[:5], False, False,
-                                *mask_fields(FP8_PASS_BY, headdim, problem), tiles[5], sums)
+    variant = fp8_variant(problem.out_dtype, headdim, tiles, mask_fields(FP8_PASS_BY, headdim, problem),
+                          problem.with_lse)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed:

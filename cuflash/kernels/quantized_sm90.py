@@ -82,9 +82,8 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
     if not tiles[5] and -(-problem.seqlen_k // tiles[1]) > fwd_sm90.FP8_MAX_KEY_BLOCKS:  # (a forced row)
         raise ValueError(f"{FAMILY_NAME} on a row that transposes V in the kernel takes at most "
                          f"{fwd_sm90.FP8_MAX_KEY_BLOCKS * tiles[1]} keys; got seqlen_k {problem.seqlen_k}")
-    sums = not problem.with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles)
-    variant = fwd_sm90.FwdFp8Sm90Variant(FP8, problem.dtype, headdim, *tiles[:5], False, False,
-                                         *fwd_sm90.mask_fields(fwd_sm90.FP8_PASS_BY, headdim, fp8), tiles[5], sums)
+    variant = fwd_sm90.fp8_variant(problem.dtype, headdim, tiles, fwd_sm90.mask_fields(fwd_sm90.FP8_PASS_BY, headdim, fp8),
+                                   problem.with_lse)
     fwd_sm90.check_tile_count(FAMILY_NAME, fp8, variant)
     return variant
 
@@ -144,11 +143,8 @@ def _flipped_rows(headdim: int) -> list[tuple]:
 def variants_for(compute_capability: tuple[int, int]) -> tuple:
     """Its kernel of its own (V to V^T) and the FP8 forward's rows that transpose V in the kernel,
     pre-transposed (_tiles); the others are quantize_fp8's and fwd_fp8_sm90's variants."""
-    attention = tuple(fwd_sm90.FwdFp8Sm90Variant(FP8, out, hd, *tiles[:5], False, False, *mask, True, sums)
-                      for out in sorted(fwd_sm90.CXX_TYPES) for hd in fwd_sm90.FP8_HEADDIMS
-                      for tiles in _flipped_rows(hd)
-                      for mask in fwd_sm90.mask_choices(fwd_sm90.FP8_PASS_BY, hd) for sums in (False, True)
-                      if not sums or fwd_sm90.tensor_row_sums_fit(hd, tiles))
+    attention = tuple(variant for out in sorted(fwd_sm90.CXX_TYPES) for hd in fwd_sm90.FP8_HEADDIMS
+                      for tiles in _flipped_rows(hd) for variant in fwd_sm90.fp8_row_variants(out, hd, tiles))
     return quantize_fp8.TRANSPOSED_VARIANTS + attention
 
 
