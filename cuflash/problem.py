@@ -51,7 +51,8 @@ class Problem:
     out_dtype: str | None = None  # attention_fp8/quantized_forward: out's dtype (fp8: the inputs are float8_e4m3fn)
     fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
     hadamard_seed: int | None = None  # quantize_fp8, attention_quantized_forward (q and k): the transform's seed
-    with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as rounded)
+    with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as
+    # rounded, and some exponentials a quadratic's: fwd_sm90.fp8_variant)
     q_descale_per_row: bool = False  # attention_fp8_forward with query heads as rows (kernels.forward): q_descale one a row
 
     def __post_init__(self):

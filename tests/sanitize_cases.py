@@ -112,7 +112,7 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True),
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True),
                                                 # unmasked, without the LSE: FP8_EXP_ON_FMA's rows
-                                                # (the causal one just above, at 64, too)
+                                                # (the two causal ones just above, at 64, too)
                                                 ((1, 2100, 2, 128), (1, 2200, 1, 128), None, False),
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False),
                                                 # decode steps: query heads as rows (q's descales one a

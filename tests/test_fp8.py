@@ -505,7 +505,7 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         every = fwd_sm90.FP8_EXP_ON_FMA[(long.headdim, tiles)]
         assert (exp_on_fma(long, with_lse=False), exp_on_fma(long, with_lse=False, window_right=0)) == every
         assert exp_on_fma(long) == 0 == exp_on_fma(long, window_right=0)
-    assert max(fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_PER_HEAD_TILES[128])]) > 0
+    assert all(max(every) > 0 for every in fwd_sm90.FP8_EXP_ON_FMA.values())  # (an entry of zeros says nothing)
     assert exp_on_fma(long_128, dict(k_descale=per_block, v_descale=per_block), with_lse=False) == 0  # 128-key row
     assert exp_on_fma(problem, with_lse=False) == 0  # head dim 256
     with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):
@@ -599,6 +599,10 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         "v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
     no_lse_64 = dataclasses.replace(problem, headdim=64, with_lse=False)
     assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).tensor_row_sums
+    long_64 = dataclasses.replace(no_lse_64, seqlen_q=5000)  # its pre-transposed row: FP8_EXP_ON_FMA's
+    assert quantized_sm90.select(long_64, inputs(long_64)).exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[
+        (64, fwd_sm90.FP8_TILES[64][1][1])][0]
+    assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).exp_on_fma == 0  # the in-kernel row
     long_128 = dataclasses.replace(problem, seqlen_q=5000)  # the pre-transposed row of FP8_TILES, 128 keys
     assert quantized_sm90.select(long_128, inputs(long_128)).block_n == 128
     for bad, match in ((dataclasses.replace(problem, seqlen_k=0), "cannot describe an empty"),

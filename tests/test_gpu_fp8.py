@@ -178,6 +178,39 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
         "results moved between identical runs: a race"
 
 
+def test_ex2_fma_matches_exp2_within_its_stated_error():
+    """cuda_src/common/sm80.cuh's ex2_fma (the FMA-pipe exponentials of FP8_EXP_ON_FMA's rows) on
+    every float32 step of [-130, 9] at 2^-12 and the edges, beside the unit's ex2: relative error at
+    most 2.1e-3 with mean within 1e-4 (a biased quadratic would shift every row's weights), never
+    negative or above 2^9; exactly 0 from -127 down (and -inf, and NaN, which the clamp maps there)."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import jit
+
+    source = """#include "common/sm80.cuh"
+extern "C" __global__ void both(const float* x, float* fma, float* unit, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) { fma[i] = cuflash::ex2_fma(x[i]); unit[i] = cuflash::ex2(x[i]); }
+}"""
+    arch = jit.arch_for(jit.device_compute_capability(cupy.cuda.Device().id))
+    kernel = cupy.RawModule(code=source, options=jit.compile_options(arch)).get_function("both")
+    edges = [-np.inf, np.nan, -1e30, -200.0, -127.0, -126.99, -126.5, -126.0, -125.5, -1e-7, -0.0, 0.0, 1e-7,
+             np.nextafter(np.float32(1), np.float32(0)), 1.0, 7.999, 8.0, 8.5, 9.0]
+    x = np.concatenate([np.arange(-130 * 4096, 9 * 4096 + 1) / 4096.0, edges]).astype(np.float32)
+    xs = cupy.asarray(x)
+    fma, unit = cupy.full(x.shape, np.nan, np.float32), cupy.full(x.shape, np.nan, np.float32)
+    kernel(((x.size + 255) // 256,), (256,), (xs, fma, unit, np.int32(x.size)))
+    fma, unit = cupy.asnumpy(fma).astype(np.float64), cupy.asnumpy(unit).astype(np.float64)
+    assert np.isfinite(fma).all() and (fma >= 0).all() and fma.max() <= 2.0**9
+    dead = ~(x > -127)  # -127 and below, -inf and NaN
+    assert (fma[dead] == 0).all(), x[dead][fma[dead] != 0]
+    normal = x >= -126  # results in the normal range (between -127 and -126: ftz's denormals, or 0)
+    exact = np.exp2(x[normal].astype(np.float64))
+    rel = fma[normal] / exact - 1
+    assert np.abs(rel).max() <= 2.1e-3 and abs(rel.mean()) <= 1e-4, (np.abs(rel).max(), rel.mean())
+    assert (fma[(x > -127) & ~normal] <= 2.0**-126).all()
+    assert np.abs(unit[normal] / exact - 1).max() <= 1e-6  # (the yardstick: the unit's own)
+
+
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_lse", [True, False])

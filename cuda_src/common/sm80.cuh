@@ -127,14 +127,15 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 // 2^x on the FMA pipe instead of the special-function unit, for a share of a softmax's exponentials
-// where they queue on that unit (e4m3's GEMMs are half as long as 16-bit ones against the same
-// softmax: benchmarks/NOTES-fp8.md, session 39). 2^floor(x) goes into the exponent of a quadratic's
+// (e4m3's: benchmarks/NOTES-fp8.md, session 39). 2^floor(x) goes into the exponent of a quadratic's
 // 2^frac(x), p(f) = 1 + f (c1 + c2 f), fitted for the least largest relative error on [0, 1) with
 // p(0) = 1: 2.1e-3, below e4m3's rounding of P (up to 6%), its mean 2e-5; p stays in [1, 2), so
 // the exponent add never carries. Adding 1.5 * 2^23 rounding down leaves floor(x) in the sum's low
-// mantissa bits, and shifted left by 23 they are floor(x) in the exponent field. x at most 127;
-// below -127 (and -inf) the clamp gives 0 or a denormal (0 under ftz), as ex2.approx.ftz does.
-// Six FMA-pipe instructions and a FMNMX against one MUFU.EX2.
+// mantissa bits, and shifted left by 23 they are floor(x) in the exponent field. x at most 127. The
+// clamp makes x of -127 and below (and -inf) exactly 0, as ex2.approx.ftz gives; x in (-127, -126)
+// gives a denormal, 0 under ftz. A NaN x gives 0 here (NaN on the unit): a softmax's NaN scores
+// still reach its row sum through the other columns. Six FMA-pipe instructions and a FMNMX against
+// one MUFU.EX2.
 __device__ __forceinline__ float ex2_fma(float x) {
   constexpr float kShift = 12582912.f;  // 1.5 * 2^23
   x = fmaxf(x, -127.f);

@@ -146,9 +146,9 @@ FP8_TENSOR_ROW_SUMS = (64,)
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 # e4m3, calls without the LSE, per (compiled head dim, tile row): (unmasked, masked) every this
 # many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma, ex2_fma: a quadratic,
-# six FMA-pipe instructions), the others on the special-function unit, which e4m3's softmax waits on
-# (at head dim 128 its exponentials are a sixth of the time: benchmarks/NOTES-fp8.md, session 29);
-# 0: all there. Measured on H100 beside all on that unit (CUDA graphs, interleaved, FA3 sizing;
+# six FMA-pipe instructions), the others on the special-function unit (taking every exponential away
+# saved a sixth of head dim 128's time: benchmarks/NOTES-fp8.md, session 29); 0: all there. (Session
+# 17's cubic, every 16th to 4th on the 128-key row, lost 1-6%: NOTES-fp8.md.) Measured on H100 beside all on that unit (CUDA graphs, interleaved, FA3 sizing;
 # NOTES-fp8.md, session 39), where the gain follows which columns move more than how many: head dim
 # 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at 4k-16k (every 24th the same,
 # every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count tried; head dim 64, the row sums'
