@@ -344,8 +344,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
   constexpr int kMaxChains = kFp8 && kHeadDim == 256 ? 4 : 1;
-  // kExpOnFma > 0: every kExpOnFma-th exponential of a thread's row on the FMA pipe (ex2_fma), where
-  // the special-function unit is what the softmax waits on (e4m3; FwdSm90Variant.exp_on_fma).
+  // kExpOnFma > 0: every kExpOnFma-th exponential of a thread's row on the FMA pipe (ex2_fma), the
+  // rest on the special-function unit (e4m3, where measured to pay: fwd_sm90.py, FP8_EXP_ON_FMA).
   static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
   // The softmax of a warpgroup's top key block on its first half only where its rows see only that
   // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;

@@ -148,8 +148,9 @@ FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 # many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma, ex2_fma: a quadratic,
 # six FMA-pipe instructions), the others on the special-function unit (taking every exponential away
 # saved a sixth of head dim 128's time: benchmarks/NOTES-fp8.md, session 29); 0: all there. (Session
-# 17's cubic, every 16th to 4th on the 128-key row, lost 1-6%: NOTES-fp8.md.) Measured on H100 beside all on that unit (CUDA graphs, interleaved, FA3 sizing;
-# NOTES-fp8.md, session 39), where the gain follows which columns move more than how many: head dim
+# 17's cubic, every 16th to 4th on the 128-key row, lost 1-6%: NOTES-fp8.md.) Measured on H100
+# beside all on that unit (CUDA graphs, interleaved, FA3 sizing; NOTES-fp8.md, session 39), where
+# the gain follows which columns move more than how many: head dim
 # 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at 4k-16k (every 24th the same,
 # every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count tried; head dim 64, the row sums'
 # row beyond 4k, every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th +3-4%, every 32nd -1%).
@@ -450,10 +451,10 @@ def kv_splits(problem) -> int:
 
 
 def split_masked(problem) -> bool:
-    """Whether a masked problem may run split (kv_splits): a few query rows (at most
-    split_block_m, one row block a head) under a causal mask or a right window bound, with no left bound hiding keys
-    (a split part takes its share of every key block from 0 on: under a left window most parts would
-    be empty). Speculative decoding's steps are such: each of a few new rows sees the cache and the
+    """Whether a masked problem may run split (kv_splits): a few query rows (at most split_block_m,
+    one row block a head) under a causal mask or a right window bound, with no left bound hiding
+    keys (a split part takes its share of every key block from 0 on: under a left window most parts
+    would be empty). Speculative decoding's steps are such: each of a few new rows sees the cache and the
     new rows up to its own. The parts keep the mask (the masked split variants). (A part spans at
     least SPLIT_KV_KEYS_PER_ROW keys a row, more than the rows' ends differ by, so each row sees some
     key of every part; one that saw none would leave LSE -inf, which combine_splits weighs 0.)"""
