@@ -30,9 +30,12 @@
 // Within a consumer, S(j) and PV(j-1) are issued back to back and the warpgroup waits only for S(j)
 // before the softmax, then for PV(j-1) before rescaling O and packing the new P (the P registers
 // are read by PV(j-1) until then). ptxas schedules within a basic block: with the second wait at
-// the bottom of the loop it hoists the wait, and the packing of P that depends on it, above the
-// softmax's exponentials, so PV(j-1) overlaps only the row maxima of block j (but the packing then
-// interleaves with the exponentials, and V's slot is released a softmax sooner). kScheduleOverlapPV puts
+// the bottom of the loop it hoists the wait up to the first, above the whole softmax of block j
+// (only a tail block's mask lies between them, in every overlap row's SASS on sm_90a), so PV(j-1)
+// runs beside the other consumers' softmaxes, not this one's (but the packing of P then
+// interleaves with the exponentials, and V's slot is released a softmax sooner). Keeping the wait
+// below the exponentials (a never-taken branch on their sums, so that ptxas cannot hoist it)
+// measured 7-17% slower in e4m3 (benchmarks/NOTES-fp8.md, session 40). kScheduleOverlapPV puts
 // the wait, the rescale and the packing at the top of the next iteration instead, where the loop's
 // back edge keeps the whole softmax of block j above them: a table choice per row (TILES in
 // cuflash/kernels/fwd_sm90.py; benchmarks/NOTES-sm90.md, version 26). Both hold S(j), P(j-1) and O

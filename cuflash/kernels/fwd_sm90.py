@@ -51,7 +51,7 @@ FP8_SUM_COLUMNS = 8
 # of 80 keys at head dim 128 +0.5 to +1.7% at 2k-4k; version 41). schedule (SCHEDULES, the
 # kernel's Schedule):
 # where a consumer issues and finishes P V of the block before. "overlap": issued beside the next
-# block's S = Q K^T and finished where ptxas puts it, before that softmax's exponentials;
+# block's S = Q K^T and finished where ptxas puts it, right after S's wait (before that softmax);
 # "overlap_pv": finished after that softmax (measured on H100: +1.5-3% at head dim 128 from 4k keys,
 # -1 to -2.5% at 128 up to 2k non-causal and at 192, -2-3% at 64 and in e4m3); "serial": issued in a
 # ping-pong turn of its own and finished before that S is issued, so that S, P and O are never all
