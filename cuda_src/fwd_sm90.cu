@@ -313,7 +313,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // never touch: P V's N is kHeadDim + kSumColumns, and the last columns of O are each row's sum
   // of P as rounded to e4m3, the values P V multiplies. That takes the FADD of every score off
   // the consumers (benchmarks/NOTES-fp8.md, session 30); the LSE would carry P's rounding
-  // (errors to ~1e-2), so calls that return it sum in fp32 as before.
+  // (errors to ~1e-2), so calls that return it sum in fp32 as before. Those columns hold one
+  // block's sums at a time: each block's are folded into fp32 registers (tensor_sum) and the
+  // columns zeroed, since the e4m3 wgmma adds each product to an accumulator keeping only ~14
+  // bits below its leading one. A row's sum grows with its keys, and P's small values then fell
+  // below those bits: left to accumulate over 16k keys the sums came out 24% low (session 40).
   static_assert(!kTensorRowSums || (kFp8 && kHeadDim <= 128), "e4m3, and N = kHeadDim + 8 within 256");
   constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
   constexpr unsigned kVAtomBytes = (kHeadDim + kSumColumns) * 128;  // e4m3 V^T: one 128-key swizzle atom
@@ -741,6 +745,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     for (int i = 0; i < kOAcc + kSumColumns / 2; ++i) o[i] = 0.f;
     float row_max[2] = {-infinity(), -infinity()};  // log2 domain (online_softmax_row)
     float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
+    float tensor_sum[2] = {0.f, 0.f};  // kTensorRowSums: each row's sum of the blocks folded so far
     // e4m3: q's descale of this thread's two rows, and v's of the block O is in units of.
     float q_descale[2] = {1.f, 1.f}, o_descale = 1.f;
 
@@ -914,9 +919,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         auto rescale_and_pack = [&](bool rescale_o) {
           if (rescale_o) {
 #pragma unroll
-            for (int j = 0; j < kOAcc + kSumColumns / 2; ++j) {
-              o[j] *= (j < kOAcc ? correction : sum_correction)[(j >> 1) & 1];
-            }
+            for (int j = 0; j < kOAcc; ++j) o[j] *= correction[(j >> 1) & 1];
+          }
+          if constexpr (kTensorRowSums) {  // the finished block's sums into fp32, the columns from zero
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) tensor_sum[hf] = (tensor_sum[hf] + o[kOAcc + 2 * hf]) * sum_correction[hf];
+#pragma unroll
+            for (int j = kOAcc; j < kOAcc + kSumColumns / 2; ++j) o[j] = 0.f;
           }
           pack_p();
           pin_registers(o);  // written before the next wgmma's fence, not sunk past it
@@ -1033,7 +1042,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     float split_inv[2];                // kSplitKV: O is stored times these in float32 instead
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const float total = kTensorRowSums ? o[kOAcc + 2 * hf] : lanes_sum<4>(row_sum[hf]);
+      const float total = kTensorRowSums ? tensor_sum[hf] + o[kOAcc + 2 * hf] : lanes_sum<4>(row_sum[hf]);
       const float inv = total > 0.f ? o_descale / total : 0.f;
       if constexpr (kSplitKV) split_inv[hf] = inv;
 #pragma unroll
