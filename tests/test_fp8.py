@@ -480,23 +480,24 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     per_block = DeviceArray(ptr=1 << 20, shape=(2, 2, 8), strides=(16, 8, 1))
     for name in ("k_descale", "v_descale"):
         assert fwd_sm90.select_fp8(long_128, {**inputs(long_128), name: per_block}).block_n == 128
-    # Calls without the LSE sum P's rows on the tensor cores at head dim 64 (FP8_TENSOR_ROW_SUMS), on
-    # its 128-key row (the 160-key one would spill); no call without it needs an lse (the kernel
-    # writes none where its address is null).
-    assert not fwd_sm90.select_fp8(long_64, inputs(long_64)).tensor_row_sums
-    no_lse = dataclasses.replace(long_64, with_lse=False)
-    chosen = fwd_sm90.select_fp8(no_lse, inputs(no_lse))
-    assert chosen.tensor_row_sums and chosen.block_n == 128 and "lse" not in kernels.workspace(no_lse)
-    assert chosen.dynamic_shared_bytes > dataclasses.replace(chosen, tensor_row_sums=False).dynamic_shared_bytes
-    for other in (problem, long_128):
-        no_lse = dataclasses.replace(other, with_lse=False)
-        assert not fwd_sm90.select_fp8(no_lse, inputs(no_lse)).tensor_row_sums
-        assert "lse" not in kernels.workspace(no_lse)
-        with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
-            dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
+    # Calls without the LSE sum P's rows on the tensor cores at head dims 64 and 128
+    # (FP8_TENSOR_ROW_SUMS): at 64 on its 128-key row (the 160-key one would spill), at 128 on its
+    # 192-key one; no call without it needs an lse (the kernel writes none where its address is null).
+    for long, block_n in ((long_64, 128), (long_128, 192)):
+        assert not fwd_sm90.select_fp8(long, inputs(long)).tensor_row_sums
+        no_lse = dataclasses.replace(long, with_lse=False)
+        chosen = fwd_sm90.select_fp8(no_lse, inputs(no_lse))
+        assert chosen.tensor_row_sums and chosen.block_n == block_n and "lse" not in kernels.workspace(no_lse)
+        assert chosen.dynamic_shared_bytes > dataclasses.replace(chosen, tensor_row_sums=False).dynamic_shared_bytes
+    assert not fwd_sm90.tensor_row_sums_fit(64, fwd_sm90.FP8_PER_HEAD_TILES[64])
+    no_lse = dataclasses.replace(problem, with_lse=False)
+    assert not fwd_sm90.select_fp8(no_lse, inputs(no_lse)).tensor_row_sums
+    assert "lse" not in kernels.workspace(no_lse)
+    with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
+        dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
     # Calls without the LSE take some exponentials on the FMA pipe on FP8_EXP_ON_FMA's rows (head dim
-    # 128's per-head row, 64's row-sums row), unmasked and masked as it says; calls with it, other
-    # rows and 16-bit variants none.
+    # 128's rows, 64's row-sums row), unmasked and masked as it says; calls with it, other rows and
+    # 16-bit variants none.
     def exp_on_fma(p, inputs_changed=None, **changes):
         p = dataclasses.replace(p, **changes)
         return fwd_sm90.select_fp8(p, {**inputs(p), **(inputs_changed or {})}).exp_on_fma
@@ -506,7 +507,8 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         assert (exp_on_fma(long, with_lse=False), exp_on_fma(long, with_lse=False, window_right=0)) == every
         assert exp_on_fma(long) == 0 == exp_on_fma(long, window_right=0)
     assert all(max(every) > 0 for every in fwd_sm90.FP8_EXP_ON_FMA.values())  # (an entry of zeros says nothing)
-    assert exp_on_fma(long_128, dict(k_descale=per_block, v_descale=per_block), with_lse=False) == 0  # 128-key row
+    narrow = fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_TILES[128][1][1])][0]  # the 128-key row at 128
+    assert exp_on_fma(long_128, dict(k_descale=per_block, v_descale=per_block), with_lse=False) == narrow > 0
     assert exp_on_fma(problem, with_lse=False) == 0  # head dim 256
     with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):
         fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False, False, True,

@@ -29,7 +29,7 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim (e4m3 with the row sums
 # on the tensor cores: + FP8_SUM_COLUMNS).
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (64, 72, 128, 160, 192, 256)
+FP8_WGMMA_N = (64, 72, 128, 136, 160, 192, 256)
 FP8_SUM_COLUMNS = 8
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
@@ -135,12 +135,16 @@ FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
 # noise of 192: session 26.)
 FP8_PER_HEAD_TILES = {64: (3, 160, 2, "pingpong", "overlap", True), 128: (2, 192, 2, "free", "overlap", True)}
 # Calls that do not return the LSE sum P's rows on the tensor cores at these head dims (the
-# kernel's kTensorRowSums: P V with FP8_SUM_COLUMNS more columns, of ones; no FADD a score), on the
-# FP8_TILES rows: the FP8_PER_HEAD_TILES row's three consumers at 64 spill with four more
-# accumulators. Measured on H100 against the fp32 sums (session 30, three leases, two alternations
-# each; benchmarks/NOTES-fp8.md): head dim 64 +2-12% at 1k, +1.5-6% at 4k, +0.6-6% at 8k-16k (there
-# on the 128-key row against the 160-key one). At 128 -3 to +4% (not taken); at 256, N would pass 256.
-FP8_TENSOR_ROW_SUMS = (64,)
+# kernel's kTensorRowSums: P V with FP8_SUM_COLUMNS more columns, of ones; no FADD a score, and each
+# block's sums folded into fp32: the e4m3 accumulator alone lost 24% of a 16k-key row's sum), on
+# every row where they fit (tensor_row_sums_fit: not the FP8_PER_HEAD_TILES row at 64, whose three
+# consumers spill with four more accumulators). Measured on H100 against the fp32 sums: head dim 64
+# +2-12% at 1k, +1.5-6% at 4k, +0.6-6% at 8k-16k (session 30; there on the 128-key row against the
+# 160-key one), +3-6.5% at 4k-16k with the fold (session 40); head dim 128 alone -3 to +4% (session
+# 30), but with more exponentials on the FMA pipe, which the FADDs gone leave room for
+# (FP8_EXP_ON_FMA), +2-5% non-causal and +4-6% causal at 4k-16k on its rows, +3-5% end to end
+# (session 40; benchmarks/NOTES-fp8.md). At 256, N would pass 256.
+FP8_TENSOR_ROW_SUMS = (64, 128)
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -149,16 +153,20 @@ FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 # six FMA-pipe instructions), the others on the special-function unit (taking every exponential away
 # saved a sixth of head dim 128's time: benchmarks/NOTES-fp8.md, session 29); 0: all there. (Session
 # 17's cubic, every 16th to 4th on the 128-key row, lost 1-6%: NOTES-fp8.md.) Measured on H100
-# beside all on that unit (CUDA graphs, interleaved, FA3 sizing; NOTES-fp8.md, session 39), where
-# the gain follows which columns move more than how many: head dim
-# 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at 4k-16k (every 24th the same,
-# every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count tried; head dim 64, the row sums'
-# row beyond 4k, every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th +3-4%, every 32nd -1%).
-# Not taken: the 128-key row at 128 (per-128-row descales, and attention(fp8=True)) -4 / -2 / -0.5%
-# every 4th / 8th / 16th; head dim 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative
-# error, up to 2.1e-3, is below e4m3's rounding of P but would reach the LSE of a row with few keys
-# (whose bound is 1e-3), so calls that return the LSE keep the unit's exponentials.
-FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (128, FP8_PER_HEAD_TILES[128]): (32, 0)}
+# (CUDA graphs, interleaved, FA3 sizing; NOTES-fp8.md, sessions 39 and 40), where the gain follows
+# which columns move more than how many, and how busy the FMA pipe is already. With P's row sums in
+# fp32 (session 39): head dim 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at
+# 4k-16k (every 24th the same, every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count
+# tried; the 128-key rows -4 / -2 / -0.5% every 4th / 8th / 16th. With the row sums on the tensor
+# cores (FP8_TENSOR_ROW_SUMS; session 40, against fp32 sums and every 32nd on the per-head row only):
+# at 128 every 8th on every row, per-head +2-2.5% (every 32nd -1 to +0.2%), masked +4-4.5%, the
+# 128-key rows +4-5%, masked +5-5.5%; head dim 64's row-sums row beyond 4k every 16th (2 of 32)
+# +5-6% at 8k-16k, masked +2-4% (every 8th +3-4%, every 32nd -1%; session 39). Not taken: head dim
+# 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative error, up to 2.1e-3, is below
+# e4m3's rounding of P but would reach the LSE of a row with few keys (whose bound is 1e-3), so
+# calls that return the LSE keep the unit's exponentials.
+FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), **{(128, tiles): (8, 8) for tiles in (
+    FP8_PER_HEAD_TILES[128], *(row for _, row in FP8_TILES[128]))}}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
@@ -702,8 +710,9 @@ def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
 
 def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
     """Whether the e4m3 kernel at this compiled head dim and tile row can sum P's rows on the tensor
-    cores (FP8_TENSOR_ROW_SUMS: not on the FP8_PER_HEAD_TILES row)."""
-    return headdim in FP8_TENSOR_ROW_SUMS and tiles != FP8_PER_HEAD_TILES.get(headdim)
+    cores (FP8_TENSOR_ROW_SUMS: not where three consumers take more than 128 keys, whose four more
+    accumulators spill there: the FP8_PER_HEAD_TILES row at 64)."""
+    return headdim in FP8_TENSOR_ROW_SUMS and (tiles[0] == 2 or tiles[1] <= 128)
 
 
 def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bool], with_lse: bool) -> FwdSm90Variant:
@@ -747,8 +756,9 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     tiles = fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
     # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
-    # there (a forced wide row keeps the fp32 sums).
-    sums_wanted = not problem.with_lse and headdim in FP8_TENSOR_ROW_SUMS
+    # there (head dim 64; a forced wide row keeps the fp32 sums there).
+    sums_wanted = (not problem.with_lse and tensor_row_sums_fit(headdim, tiles)
+                   and not tensor_row_sums_fit(headdim, FP8_PER_HEAD_TILES.get(headdim, tiles)))
     if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and fp8_forced_row(headdim) is None
             and not sums_wanted):
         tiles = FP8_PER_HEAD_TILES[headdim]
