@@ -261,7 +261,8 @@ def test_fp8_long_rows_match_reference(headdim, block, with_lse):
     out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, 16384) if with_lse else None,
                                           torch.bfloat16)
     ((_, variant),) = dispatch._plans.values()
-    assert not variant.split_kv and variant.tensor_row_sums == (not with_lse and headdim in fwd_sm90.FP8_TENSOR_ROW_SUMS)
+    assert not variant.split_kv
+    assert variant.tensor_row_sums == (not with_lse and headdim in fwd_sm90.FP8_TENSOR_ROW_SUMS)
     _check(out, lse, quantized, kw)
 
 
