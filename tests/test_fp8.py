@@ -604,7 +604,8 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
     long_64 = dataclasses.replace(no_lse_64, seqlen_q=5000)  # its pre-transposed row: FP8_EXP_ON_FMA's
     assert quantized_sm90.select(long_64, inputs(long_64)).exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[
         (64, fwd_sm90.FP8_TILES[64][1][1])][0]
-    assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).exp_on_fma == 0  # the in-kernel row
+    flipped_64 = fwd_sm90.pretransposed(fwd_sm90.FP8_TILES[64][0][1])  # the in-kernel row, flipped
+    assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[(64, flipped_64)][0]
     long_128 = dataclasses.replace(problem, seqlen_q=5000)  # the pre-transposed row of FP8_TILES, 128 keys
     assert quantized_sm90.select(long_128, inputs(long_128)).block_n == 128
     for bad, match in ((dataclasses.replace(problem, seqlen_k=0), "cannot describe an empty"),

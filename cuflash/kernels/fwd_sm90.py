@@ -148,6 +148,14 @@ FP8_TENSOR_ROW_SUMS = (64, 128)
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
+
+
+def pretransposed(tiles: tuple) -> tuple:
+    """The e4m3 tile row `tiles` with V^T written beforehand (attention(fp8=True) quantizes v
+    straight into V^T: quantized_sm90)."""
+    return (*tiles[:5], True)
+
+
 # e4m3, calls without the LSE, per (compiled head dim, tile row): (unmasked, masked) every this
 # many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma, ex2_fma: a quadratic,
 # six FMA-pipe instructions), the others on the special-function unit (taking every exponential away
@@ -158,15 +166,22 @@ FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
 # fp32 (session 39): head dim 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at
 # 4k-16k (every 24th the same, every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count
 # tried; the 128-key rows -4 / -2 / -0.5% every 4th / 8th / 16th. With the row sums on the tensor
-# cores (FP8_TENSOR_ROW_SUMS; session 40, against fp32 sums and every 32nd on the per-head row only):
-# at 128 every 8th on every row, per-head +2-2.5% (every 32nd -1 to +0.2%), masked +4-4.5%, the
-# 128-key rows +4-5%, masked +5-5.5%; head dim 64's row-sums row beyond 4k every 16th (2 of 32)
-# +5-6% at 8k-16k, masked +2-4% (every 8th +3-4%, every 32nd -1%; session 39). Not taken: head dim
-# 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative error, up to 2.1e-3, is below
-# e4m3's rounding of P but would reach the LSE of a row with few keys (whose bound is 1e-3), so
-# calls that return the LSE keep the unit's exponentials.
-FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), **{(128, tiles): (8, 8) for tiles in (
-    FP8_PER_HEAD_TILES[128], *(row for _, row in FP8_TILES[128]))}}
+# cores (FP8_TENSOR_ROW_SUMS; session 40), where the FMA pipe has room: at 128, every 8th on every
+# row first (against fp32 sums: per-head +2-2.5%, masked +4-4.5%, the 128-key rows +4-5%, masked
+# +5-5.5%), then against that every 4th on the per-head row +0.7-4% (masked -2%), on the
+# pre-transposed 128-key row +1.5% (masked: every 12th +2-2.5%), on attention(fp8=True)'s flipped
+# in-kernel row (pretransposed) +1.5-2.7% (masked not measured); the in-kernel row keeps every 8th
+# (every 0th / 4th / 12th 0.3-4% slower, masked too); at 64, every 12th on the in-kernel row and its
+# flipped one +2-2.8% at 1k-4k (masked +0.4-0.7%: not taken), every 4th / 6th -1 to -3%. Head dim
+# 64's row-sums row beyond 4k every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th
+# +3-4%, every 32nd -1%; session 39). Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The
+# quadratic's relative error, up to 2.1e-3, is below e4m3's rounding of P (O's error against
+# float64 measured the same with and without these, session 40) but would reach the LSE of a row
+# with few keys (whose bound is 1e-3), so calls that return the LSE keep the unit's exponentials.
+FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1]): (12, 0),
+                  (64, pretransposed(FP8_TILES[64][0][1])): (12, 0),
+                  (128, FP8_PER_HEAD_TILES[128]): (4, 8), (128, FP8_TILES[128][1][1]): (4, 12),
+                  (128, FP8_TILES[128][0][1]): (8, 8), (128, pretransposed(FP8_TILES[128][0][1])): (4, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1

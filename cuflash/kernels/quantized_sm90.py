@@ -137,7 +137,7 @@ def _flipped_rows(headdim: int) -> list[tuple]:
     """FP8_TILES' rows at this head dim that transpose V in the kernel, pre-transposed, but those
     FP8_TILES has as they are (fwd_fp8_sm90's variants)."""
     rows = [row for _, row in fwd_sm90.FP8_TILES[headdim]]
-    return [(*row[:5], True) for row in rows if not row[5] and (*row[:5], True) not in rows]
+    return [fwd_sm90.pretransposed(row) for row in rows if not row[5] and fwd_sm90.pretransposed(row) not in rows]
 
 
 def variants_for(compute_capability: tuple[int, int]) -> tuple:
