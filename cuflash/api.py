@@ -510,10 +510,10 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     allocates, through the caller's framework, a scratch buffer the size of v8 for V transposed.
     Without return_lse, the Hopper kernel at head dims 64 and 128 divides out by the row sums of P
     as rounded to e4m3 (the weights P V multiplies, summed on the tensor cores a key block at a
-    time, then in fp32): out's error is that of the fp32 sums, and the call runs 1-12% faster.
-    Without it too, at head dims 64 and 128 (unmasked at 64 up to 4096 query rows), some of P's
-    exponentials come from a quadratic on the FMA pipe (relative error up to 2.1e-3, below P's
-    rounding to e4m3) instead of the special-function unit: 2-6% faster there.
+    time, then in fp32; out's error is that of the fp32 sums), and takes some of P's exponentials
+    from a quadratic on the FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3)
+    instead of the special-function unit (at 64 up to 4096 query rows, unmasked only): such calls
+    run 2-12% faster.
     """
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
