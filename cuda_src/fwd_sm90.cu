@@ -315,9 +315,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // the consumers (benchmarks/NOTES-fp8.md, session 30); the LSE would carry P's rounding
   // (errors to ~1e-2), so calls that return it sum in fp32 as before. Those columns hold one
   // block's sums at a time: each block's are folded into fp32 registers (tensor_sum) and the
-  // columns zeroed, since the e4m3 wgmma adds each product to an accumulator keeping only ~14
-  // bits below its leading one. A row's sum grows with its keys, and P's small values then fell
-  // below those bits: left to accumulate over 16k keys the sums came out 24% low (session 40).
+  // columns zeroed. Left to accumulate a whole row the sums came out 24% low at 16k keys (H100,
+  // session 40): the e4m3 wgmma's accumulation keeps ~14 bits, and a row's growing sum likely
+  // left P's small values below them.
   static_assert(!kTensorRowSums || (kFp8 && kHeadDim <= 128), "e4m3, and N = kHeadDim + 8 within 256");
   constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
   constexpr unsigned kVAtomBytes = (kHeadDim + kSumColumns) * 128;  // e4m3 V^T: one 128-key swizzle atom
@@ -904,8 +904,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         s_done(it() % kStages, n_top - 1);
         float correction[2];
         softmax(n_top - 1, k_descale_top, correction, half_top);
-        // kTensorRowSums: the factor of the sum columns, the softmax's correction alone (O's also
-        // moves it to the block's v descale).
+        // kTensorRowSums: the factor of the sums folded so far (tensor_sum), the softmax's correction
+        // alone (O's also moves it to the block's v descale).
         float sum_correction[2] = {correction[0], correction[1]};
         // The end of P V(n + 1): wait for it and release its V slot (v_slot < 0: none); then
         // (rescale_and_pack) rescale O (when `rescale_o`) and pack block n's P. Both at the bottom of
