@@ -320,6 +320,15 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // left P's small values below them.
   static_assert(!kTensorRowSums || (kFp8 && kHeadDim <= 128), "e4m3, and N = kHeadDim + 8 within 256");
   constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
+  // Unmasked, the tile's counter is broadcast from lane 0 again every key block (ptxas drops the
+  // shuffle, the value being uniform, but then keeps what follows from it in uniform registers).
+  // Where P's sums take the tensor cores and blocks are 192 keys wide, ptxas otherwise held the
+  // counter, and the slots, phases and descriptors it gives, in ordinary registers (28 R2UR between
+  // the GMMAs of the main loop, 4 with this; NVRTC 12.9 and 13.0 alike). Measured on H100 against
+  // the loop without it (benchmarks/NOTES-fp8.md, session 41): there +1%, 16-bit head dim 192 +3.3%
+  // at 4k-16k, split-KV decode ±0; but with softcap -1%, masked ±0.7%, e4m3's 128-key rows -4%,
+  // 16-bit 128 -1.3%.
+  constexpr bool kRebroadcastEachBlock = !kMasked && !kSoftcap && ((kTensorRowSums && kBlockN > 128) || kHeadDim == 192);
   constexpr unsigned kVAtomBytes = (kHeadDim + kSumColumns) * 128;  // e4m3 V^T: one 128-key swizzle atom
   constexpr unsigned kVBytes = kFp8 ? kVKeyAtoms * kVAtomBytes : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
@@ -952,6 +961,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           if constexpr (kOverlapPV) finish_pv(pv_slot, rescale);
           const int prev = it() % kStages, prev_parity = (it() / kStages) & 1;
           progress += kItStep;
+          if constexpr (kRebroadcastEachBlock) progress = __shfl_sync(0xffffffffu, progress, 0);
           const int slot = it() % kStages;
           if constexpr (kSerial) {
             mbarrier_wait(v_full(prev), prev_parity);
