@@ -348,14 +348,23 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr int kOAcc = kHeadDim / 2;    // O accumulators per thread
   constexpr int kQKSteps = kHeadDim * sizeof(T) / 32;  // wgmma k steps of S = Q K^T: 32 bytes each
   constexpr int kPSteps = kBlockN * sizeof(T) / 32;    // and of O += P V
-  constexpr int kExpOffset = kFp8 ? 8 : 0;             // P <= 2^8 in e4m3 (online_softmax_row)
   // FlashAttention-4's stale running maximum (online_softmax_row): a warp skips the O rescale while
-  // no row's maximum rose by more than 2^8. 16-bit only (e4m3's P has no room above its offset's
-  // 2^8), and only without ping-pong: measured +1-4% at head dims 64 and 256, but -2 to -5% at
-  // 128, where ping-pong already hides the multiplies behind the other warpgroup's GEMMs and the
-  // vote lands on the critical path (benchmarks/NOTES-sm90.md, version 20). The serial schedule
-  // hides them behind one GEMM only: +0.6-0.9% there at head dim 256 (version 38).
-  constexpr int kStaleMax = !kFp8 && (!kPingPong || kSerial) ? 8 : 0;
+  // no row's maximum rose by more than 2^kStaleMax. In 16 bits 2^8, only without ping-pong: measured
+  // +1-4% at head dims 64 and 256, but -2 to -5% at 128, where ping-pong already hides the
+  // multiplies behind the other warpgroup's GEMMs and the vote lands on the critical path
+  // (benchmarks/NOTES-sm90.md, version 20). The serial schedule hides them behind one GEMM only:
+  // +0.6-0.9% there at head dim 256 (version 38). e4m3's P must stay within 2^8 (exponent offset
+  // kExpOffset), so there the maximum may be 2^1 stale with the offset one lower: only on the
+  // per-head-descale row wider than 128 keys without ping-pong (FP8_PER_HEAD_TILES at 128; with
+  // per-128-key descales O's units move every block, so the vote finds a rescale anyway), in calls
+  // that return the LSE (P's sums in fp32, every exponential on the unit). Measured on H100 there
+  // +2.5-4.4% at 4k-16k, causal +1.3%; on the 128-key rows -0.3 to -1% (causal +2%), and in every
+  // e4m3 row -3 to -13% with P's sums on the tensor cores, exponentials on the FMA pipe, or
+  // ping-pong (NOTES-fp8.md, session 41).
+  constexpr bool kFp8StaleMax =
+      kFp8 && kBlockN > 128 && !kTensorRowSums && kExpOnFma == 0 && !kPingPong && !kSplitKV;
+  constexpr int kStaleMax = kFp8 ? (kFp8StaleMax ? 1 : 0) : (!kPingPong || kSerial) ? 8 : 0;
+  constexpr int kExpOffset = kFp8 ? 8 - kStaleMax : 0;  // P <= 2^8 in e4m3 (online_softmax_row)
   // Chains of a thread's row maximum (online_softmax_max): four in e4m3 at head dim 256, measured
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
