@@ -268,6 +268,41 @@ def test_fp8_long_rows_match_reference(headdim, block, with_lse):
 
 @hopper_only
 @pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("weight", [1.875, 3.5])
+@pytest.mark.parametrize("row", range(len(fp8_rows(128, True))))
+def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, with_lse):
+    """Two keys that matter: key A in the last key block (the kernel's first), key B in the first,
+    whose score is log2(weight) higher (every other key ~50 log2 units lower), every input exact in
+    e4m3, on every row at head dim 128 with per-head descales. The per-head 192-key row keeps a
+    maximum up to 2^1 stale in calls with the LSE: at weight 1.875 B's block leaves it at A's score
+    and P_B = 2^(offset) * 1.875 must still fit e4m3 (448: the offset lowered to 7 gives 240; left
+    at 8 it would be 480, saturating to 448, and O 5% off); at 3.5 the maximum moves and O must be
+    rescaled. The weights keep every P exact in e4m3, so O is float64's but for bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(row)
+    seqlen_q, seqlen_k, headdim, key_a, key_b = 200, 1100, 128, 1050, 5
+    q = torch.ones(1, seqlen_q, 2, headdim, device="cuda")
+    k = torch.zeros(1, seqlen_k, 2, headdim, device="cuda")
+    k[..., 0] = -448.0  # amax 448: the descale is 1, every code exact
+    k[:, key_a, :, 0], k[:, key_b, :, 0] = 8.0, 16.0  # scores 8 and 16 times the scale
+    v = torch.randn(1, seqlen_k, 2, headdim, device="cuda", generator=g)
+    quantized = tuple(cuflash.quantize_fp8(x.to(torch.bfloat16)) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    kw = dict(causal=False, window=(-1, -1), softmax_scale=math.log(weight) / 8.0)
+    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
+    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    with fp8_row(headdim, row, True):
+        out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, seqlen_q) if with_lse else None,
+                                              torch.bfloat16)
+    ref_out, ref_lse = gpu_attention.attention(*(_dequantize(x8, d) for x8, d in quantized), compute_dtype=torch.float64,
+                                               **kw, softcap=0.0)
+    err = (out.double() - ref_out).abs().max().item()
+    assert err <= 2e-2, f"O off by {err:.3g}"  # (bf16 rounding of |O| <= 4: 8e-3; FMA-pipe exponentials 2.1e-3 relative)
+    if with_lse:
+        assert (lse.double() - ref_lse).abs().max().item() <= 1e-4
+
+
+@hopper_only
+@pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_kv", [
