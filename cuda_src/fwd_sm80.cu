@@ -236,10 +236,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) fwd_sm80(const __grid_constant
         auto score = [&](int c) -> float& { return s[mt][c / 2][hf * 2 + c % 2]; };
         float correction;
         if constexpr (kFusedPV) {
-          correction = online_softmax_max<2 * kNTiles>(score, row_max[mt][hf], scale_log2, base[mt][hf]);
+          correction = online_softmax_max(quad_row_max<2 * kNTiles>(score), row_max[mt][hf], scale_log2, base[mt][hf]);
           row_sum[mt][hf] *= correction;
         } else {
-          correction = online_softmax_row<2 * kNTiles>(score, row_max[mt][hf], row_sum[mt][hf], scale_log2);
+          correction = online_softmax_row<2 * kNTiles>(score, quad_row_max<2 * kNTiles>(score), row_max[mt][hf],
+                                                     row_sum[mt][hf], scale_log2);
         }
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {

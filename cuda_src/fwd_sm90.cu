@@ -248,7 +248,8 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 // the first kN keys of a key block in s, the S accumulators of one thread (rows `row` and row + 8,
 // columns from col0 on, relative to the sequence); scale: each row's log2-domain score scale.
 // Returns each row's O rescale factor in correction. kN is the block's width, or kHalfTop's half.
-template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, int kFmaEvery, int kSAcc>
+template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, bool kIntMax, int kFmaEvery,
+          int kSAcc>
 __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, int row, int col0, const Tile& t,
                                               int window_left, int window_right, float softcap_exp2_scale,
                                               float softcap, const float (&scale)[2], float (&row_max)[2],
@@ -271,10 +272,22 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
         }
     }
   }
+  auto row_scores = [&](int hf) { return [&s, hf](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }; };
+  float block_max[2];
+  if constexpr (kIntMax) {  // both rows' integer maxima, then one warp-uniform test (its branch ends ptxas' block)
+    int bits[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) bits[hf] = quad_row_max_bits<kN / 4, kMaxChains>(row_scores(hf));
+    const bool all_negative = __any_sync(0xffffffffu, (bits[0] | bits[1]) < 0);  // a row of the warp's
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      block_max[hf] = all_negative ? quad_row_max<kN / 4, kMaxChains>(row_scores(hf)) : __int_as_float(bits[hf]);
+  }
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kMaxChains, kFmaEvery>(
-        [&](int c) -> float& { return s[4 * (c / 2) + 2 * hf + c % 2]; }, row_max[hf], row_sum[hf], scale[hf]);
+    if constexpr (!kIntMax) block_max[hf] = quad_row_max<kN / 4, kMaxChains>(row_scores(hf));
+    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax>(
+        row_scores(hf), block_max[hf], row_max[hf], row_sum[hf], scale[hf]);
   }
 }
 
@@ -372,6 +385,18 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // kExpOnFma > 0: every kExpOnFma-th exponential of a thread's row on the FMA pipe (ex2_fma), the
   // rest on the special-function unit (e4m3, where measured to pay: fwd_sm90.py, FP8_EXP_ON_FMA).
   static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
+  // kIntMax: the row maxima as three-input integer maxima of the scores' bits (quad_row_max_bits,
+  // half the instructions of the FMNMX chain, in kMaxChains chains; block_softmax), bitwise the
+  // same results (the outputs compared on every row measured). Measured on
+  // H200 against the FMNMX chain (NOTES-fp8.md and NOTES-sm90.md, session 42): 16 bits +0.5-6%
+  // (head dim 128 at 4k +6%, 192 +5%), e4m3 with the LSE +5%, head dim 256 +2%. With the FMA pipe's
+  // exponentials, ex2_fma must then scale by a factor (ptxas serialises the wgmmas otherwise,
+  // C7511), one instruction more each: head dim 128's per-head row +2% (causal +5.5-7.5%), its
+  // in-kernel V^T row at 1k +2%, its masked 128-key rows +2%; its unmasked pretransposed 128-key
+  // rows (attention(fp8=True) among them) -1 to -2% and head dim 64's rows -0.5 to -2.7%, which
+  // keep the FMNMX chain.
+  constexpr bool kIntMax = !(kTensorRowSums && kExpOnFma > 0) ||
+                           (kHeadDim == 128 && (kBlockN > 128 || kMasked || !kVPreTransposed));
   // The softmax of a warpgroup's top key block on its first half only where its rows see only that
   // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;
   // the unmasked ones keep their smaller code, which the extra path cost 2-4%), with pass-by (its
@@ -851,13 +876,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const int row = t.m0 + wg * 64 + row_in_wg, col0 = n * kBlockN + 2 * (lane % 4);
         if constexpr (kHalfTop) {
           if (half) {
-            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kExpOnFma>(
+            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma>(
                 s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
                 row_sum, correction);
             return;
           }
         }
-        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kExpOnFma>(
+        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma>(
             s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
             row_sum, correction);
       };

@@ -1,7 +1,8 @@
 """Attention in torch on the GPU, for the GPU tests: the float32/float64 reference of the
 contract (checked against cuflash.reference in test_gpu_fwd) and the "plain low-precision
 implementation" FlashAttention's test criterion compares against (scores, softmax and PV in
-the input dtype); and run_poisoned, which runs a forward Problem into NaN-poisoned outputs."""
+the input dtype); run_poisoned, which runs a forward Problem into NaN-poisoned outputs; and
+signed_scores_inputs, inputs whose scores are negative by design."""
 import math
 
 import torch
@@ -67,3 +68,20 @@ def run_poisoned(problem, inputs, out_shape, lse_shape, out_dtype, workspace_out
     dispatch.execute(problem, inputs, outputs, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return out, lse
+
+
+def signed_scores_inputs(shape_q, shape_k, generator):
+    """q, k, v (float32, of shapes shape_q and shape_k) whose scores are q_0 k_0 alone: q_0 is +1 or
+    -1 in alternating runs of 40 rows and 0 on every 7th, k_0 in (0.5, 2.5) with a sign that is + on
+    head 0's first 400 keys and - beyond, + on every key of head 1. So rows see key blocks whose
+    every score is negative (head 0), whole rows of negative scores (head 1), and a warp's 16 rows
+    may all be positive, all negative, or mixed."""
+    q = torch.zeros(shape_q, device="cuda")
+    rows = torch.arange(shape_q[1], device="cuda")
+    q[..., 0] = torch.where((rows // 40) % 2 == 0, 1.0, -1.0)[None, :, None]
+    q[:, rows % 7 == 3, :, 0] = 0.0
+    k = torch.randn(shape_k, device="cuda", generator=generator)
+    k[..., 0] = 0.5 + 2 * torch.rand(shape_k[:3], device="cuda", generator=generator)
+    k[:, 400:, 0, 0] *= -1
+    v = torch.randn(shape_k, device="cuda", generator=generator)
+    return q, k, v

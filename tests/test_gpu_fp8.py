@@ -302,6 +302,26 @@ def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, 
 
 
 @hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("headdim,row,block", [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
+                                               for i in range(len(fp8_rows(hd, block is None)))])
+def test_fp8_blocks_and_rows_of_negative_scores(headdim, row, block, with_lse, causal):
+    """test_gpu_fwd's blocks and rows of negative scores (the integer row maxima's fallback) on every
+    FP8 row, with and without the LSE."""
+    g = torch.Generator(device="cuda").manual_seed(headdim + row)
+    inputs = gpu_attention.signed_scores_inputs((1, 200, 2, headdim), (1, 1100, 2, headdim), g)
+    quantized = tuple(cuflash.quantize_fp8(x.to(torch.bfloat16), block=block) for x in inputs)
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    kw = dict(causal=causal, window=(-1, -1), softmax_scale=4.0)
+    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
+    with fp8_row(headdim, row, block is None):
+        out, lse = gpu_attention.run_poisoned(problem, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd),
+                                              (1, 200, 2, headdim), (1, 2, 200) if with_lse else None, torch.bfloat16)
+    _check(out, lse, quantized, kw)
+
+
+@hopper_only
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("headdim", [64, 128, 256])

@@ -239,6 +239,23 @@ def test_running_max_rising_block_by_block(backend, dtype, headdim, rise):
 
 
 @BACKENDS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("headdim", [64, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_and_rows_of_negative_scores(backend, dtype, headdim, causal):
+    """fwd_sm90 takes a block's row maxima as integer maxima of the scores' bits, exact only where a
+    row's maximum is >= 0; a warp holding a row whose block scores are all negative (or -0) takes the
+    float maxima instead (masking.cuh, quad_row_max_bits). Both, and warps mixing them, against the
+    reference (gpu_attention.signed_scores_inputs; softmax scale 4: scores up to +-2.5 x 4)."""
+    g = torch.Generator(device="cuda").manual_seed(headdim + 7 * causal)
+    q, k, v = (x.to(dtype) for x in gpu_attention.signed_scores_inputs((1, 200, 2, headdim), (1, 1100, 2, headdim), g))
+    kw = dict(causal=causal, window=(-1, -1), softcap=0.0, softmax_scale=4.0)
+    problem = _problem("attention_forward", q, k, backend, **kw)
+    out, lse = gpu_attention.run_poisoned(problem, dict(q=q, k=k, v=v), q.shape, (1, 2, 200), dtype)
+    _check(out, lse, q, k, v, kw)
+
+
+@BACKENDS
 def test_windows_reaching_past_every_key_are_unbounded(backend):
     """Window bounds up to int32's maximum are accepted; the kernels must not overflow on them."""
     g = torch.Generator(device="cuda").manual_seed(7)

@@ -68,10 +68,11 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 }
 
 // One row's online-softmax step over the kCols scores this thread holds of it (score(c) is a
-// reference to column c's; the row's other columns are held by the rest of the quad), in two parts.
-// online_softmax_max: the new running maximum (kept in the log2 domain, scores times scale_log2, so
-// the scale may change from block to block: FP8's per-block descales) and the base of the
-// exponentials; returns the factor by which the row's O accumulators and sum must be rescaled.
+// reference to column c's; the row's other columns are held by the rest of the quad), in three parts.
+// quad_row_max (or quad_row_max_bits): the row's largest raw score of the block.
+// online_softmax_max: from that, the new running maximum (kept in the log2 domain, scores times
+// scale_log2, so the scale may change from block to block: FP8's per-block descales) and the base of
+// the exponentials; returns the factor by which the row's O accumulators and sum must be rescaled.
 // online_softmax_row: that, then the exponentials in place and the running sum. The exponentials are
 // those of (score - max) + kExpOffset: at most 2^kExpOffset (FP8 puts P in e4m3, whose normal range
 // starts at 2^-6: an offset of 8 keeps more of P's small values normal); the offset cancels in O /
@@ -80,12 +81,13 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // units): P is then at most 2^(kExpOffset + kStaleMax), and the correction is exactly 1 for most
 // blocks of a long row, so a caller may skip the O rescale when no row of the warp moved
 // (FlashAttention-4's trick; exact, since O, the sum and the LSE all use the same maximum).
+//
 // The thread's maximum is taken in kChains interleaved chains joined by a tree: one chain over 32
 // scores is 17 dependent FMNMX deep (the exponentials wait for it), four chains are 6. A kernel's
 // choice: where ping-pong already hides the chain, the other schedule ptxas makes of the softmax
 // can cost more than the depth saves (fwd_sm90.cu, kMaxChains).
-template <int kCols, int kStaleMax = 0, int kChains = 1, typename Score>
-__device__ __forceinline__ float online_softmax_max(Score&& score, float& row_max, float scale_log2, float& base) {
+template <int kCols, int kChains = 1, typename Score>
+__device__ __forceinline__ float quad_row_max(Score&& score) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
   static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && 2 * kChains <= kCols, "a power of two of chains");
   float chain[kChains];
@@ -99,7 +101,45 @@ __device__ __forceinline__ float online_softmax_max(Score&& score, float& row_ma
   for (int width = kChains / 2; width > 0; width /= 2)
 #pragma unroll
     for (int k = 0; k < width; ++k) chain[k] = fmaxf(chain[k], chain[k + width]);
-  float mx = fmaxf(row_max, lanes_max<4>(chain[0]) * scale_log2);
+  return lanes_max<4>(chain[0]);
+}
+
+#if __CUDA_ARCH__ >= 900  // (earlier GPUs emulate VIMNMX3)
+// quad_row_max on the scores' bit patterns read as signed ints, two scores an instruction: the
+// three-input integer maximum (__vimax3_s32, sm_90's VIMNMX3) where fmaxf takes one. Among
+// non-negative floats the ints order as the floats do, and every negative float (-0 and -inf
+// included) is a negative int. So where the result is >= 0 it is exactly the bits of
+// quad_row_max's result (a positive NaN would win here where fmaxf drops it; its row's sum is NaN
+// either way); where it is negative, every score of the row was negative and the caller must take
+// quad_row_max instead.
+template <int kCols, int kChains = 1, typename Score>
+__device__ __forceinline__ int quad_row_max_bits(Score&& score) {
+  static_assert(kCols % 2 == 0, "scores come in column pairs");
+  static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && 2 * kChains <= kCols, "a power of two of chains");
+  int chain[kChains];
+#pragma unroll
+  for (int k = 0; k < kChains; ++k) chain[k] = -2147483647 - 1;  // (no climits under NVRTC)
+#pragma unroll
+  for (int c = 0; c < kCols; c += 2) {
+    chain[(c / 2) % kChains] =
+        __vimax3_s32(chain[(c / 2) % kChains], __float_as_int(score(c)), __float_as_int(score(c + 1)));
+  }
+#pragma unroll
+  for (int width = kChains / 2; width > 0; width /= 2)
+#pragma unroll
+    for (int k = 0; k < width; ++k) chain[k] = max(chain[k], chain[k + width]);
+#pragma unroll
+  for (int offset = 1; offset < 4; offset *= 2) {
+    chain[0] = max(chain[0], __shfl_xor_sync(0xffffffffu, chain[0], offset));
+  }
+  return chain[0];
+}
+#endif
+
+// block_max: quad_row_max of the row's scores of this block.
+template <int kStaleMax = 0>
+__device__ __forceinline__ float online_softmax_max(float block_max, float& row_max, float scale_log2, float& base) {
+  float mx = fmaxf(row_max, block_max * scale_log2);
   // (A row's first key makes mx - row_max = inf; a row with none yet, -inf - -inf = NaN: both move.)
   if (kStaleMax > 0 && mx - row_max <= static_cast<float>(kStaleMax)) mx = row_max;
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -110,29 +150,31 @@ __device__ __forceinline__ float online_softmax_max(Score&& score, float& row_ma
 }
 
 // The exponentials 2^(score * scale_log2 - base) of kCols scores in place, each added to sum.
-// kFmaEvery > 0: those of every kFmaEvery-th column from the first on the FMA pipe (ex2_fma), the
-// rest on the special-function unit. (fwd_sm80's fused P V calls it a 16-key slice at a time, with
-// online_softmax_max's base.)
-template <int kCols, int kFmaEvery = 0, typename Score>
+// kFmaEvery > 0: those of every kFmaEvery-th column from the first on the FMA pipe (ex2_fma<kFmaFactor>),
+// the rest on the special-function unit. (fwd_sm80's fused P V calls it a 16-key slice at a time,
+// with online_softmax_max's base.)
+template <int kCols, int kFmaEvery = 0, bool kFmaFactor = false, typename Score>
 __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_log2, float base, float& sum) {
   static_assert(kFmaEvery >= 0, "kFmaEvery: 0, or every how many-th column");
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     float& x = score(c);
     if (kFmaEvery > 0 && c % (kFmaEvery > 0 ? kFmaEvery : 1) == 0)
-      x = ex2_fma(fmaf(x, scale_log2, -base));
+      x = ex2_fma<kFmaFactor>(fmaf(x, scale_log2, -base));
     else
       x = ex2(fmaf(x, scale_log2, -base));
     sum += x;
   }
 }
 
-template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kChains = 1, int kFmaEvery = 0, typename Score>
-__device__ __forceinline__ float online_softmax_row(Score&& score, float& row_max, float& row_sum, float scale_log2) {
+template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kFmaEvery = 0, bool kFmaFactor = false,
+          typename Score>
+__device__ __forceinline__ float online_softmax_row(Score&& score, float block_max, float& row_max, float& row_sum,
+                                                    float scale_log2) {
   float m;
-  const float correction = online_softmax_max<kCols, kStaleMax, kChains>(score, row_max, scale_log2, m);
+  const float correction = online_softmax_max<kStaleMax>(block_max, row_max, scale_log2, m);
   float sum = 0.f;
-  online_softmax_exp<kCols, kFmaEvery>(score, scale_log2, m - kExpOffset, sum);
+  online_softmax_exp<kCols, kFmaEvery, kFmaFactor>(score, scale_log2, m - kExpOffset, sum);
   row_sum = row_sum * correction + sum;
   return correction;
 }

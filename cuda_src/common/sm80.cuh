@@ -127,22 +127,30 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 // 2^x on the FMA pipe instead of the special-function unit, for a share of a softmax's exponentials
-// (e4m3's: benchmarks/NOTES-fp8.md, session 39). 2^floor(x) goes into the exponent of a quadratic's
-// 2^frac(x), p(f) = 1 + f (c1 + c2 f), fitted for the least largest relative error on [0, 1) with
-// p(0) = 1: 2.1e-3, below e4m3's rounding of P (up to 6%), its mean 2e-5; p stays in [1, 2), so
-// the exponent add never carries. Adding 1.5 * 2^23 rounding down leaves floor(x) in the sum's low
-// mantissa bits, and shifted left by 23 they are floor(x) in the exponent field. x at most 127. The
-// clamp makes x of -127 and below (and -inf) exactly 0, as ex2.approx.ftz gives; x in (-127, -126)
-// gives a denormal, 0 under ftz. A NaN x gives 0 here (NaN on the unit): a softmax's NaN scores
-// still reach its row sum through the other columns. Six FMA-pipe instructions and a FMNMX against
+// (e4m3's: benchmarks/NOTES-fp8.md, session 39): a quadratic's 2^frac(x), p(f) = 1 + f (c1 + c2 f),
+// fitted for the least largest relative error on [0, 1) with p(0) = 1: 2.1e-3, below e4m3's
+// rounding of P (up to 6%), its mean 2e-5; p stays in [1, 2). Adding 1.5 * 2^23 rounding down
+// leaves floor(x) in the sum's low mantissa bits; shifted left by 23 they are floor(x) in the
+// exponent field, added to p's bits (one IMAD). kFactor: the sum's bits times 2^23 plus a constant
+// are those of 2^floor(x) instead, a factor of p (one more instruction, FMUL): in kernels that also
+// take the row maxima as integers (quad_row_max_bits), ptxas serialised the wgmmas with the bits
+// added (C7511; NOTES-fp8.md, session 42). x at most 127. The clamp makes x of -127 and below (and
+// -inf) exactly 0, as ex2.approx.ftz gives; x in (-127, -126) gives a denormal (0 under ftz) or,
+// kFactor, 0. A NaN x gives 0 here (NaN on the unit): a softmax's NaN scores still reach its row sum
+// through the other columns. Six FMA-pipe and ALU instructions (seven, kFactor) and a FMNMX against
 // one MUFU.EX2.
+template <bool kFactor = false>
 __device__ __forceinline__ float ex2_fma(float x) {
-  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23, bits 0x4B400000
   x = fmaxf(x, -127.f);
   const float shifted = __fadd_rd(x, kShift);
   const float f = x - (shifted - kShift);
   const float p = fmaf(fmaf(0.32992116f, f, 0.66596729f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+  if constexpr (kFactor) {
+    return p * __uint_as_float(__float_as_uint(shifted) * (1u << 23) + ((127u - 0x4B400000u) << 23));
+  } else {
+    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+  }
 }
 
 }  // namespace cuflash
