@@ -174,13 +174,17 @@ def pretransposed(tiles: tuple) -> tuple:
 # (every 0th / 4th / 12th 0.3-4% slower, masked too); at 64, every 12th on the in-kernel row and its
 # flipped one +2-2.8% at 1k-4k (masked +0.4-0.7%: not taken), every 4th / 6th -1 to -3%. Head dim
 # 64's row-sums row beyond 4k every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th
-# +3-4%, every 32nd -1%; session 39). Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The
+# +3-4%, every 32nd -1%; session 39). Session 42 (H200), once the per-head row took its maxima as
+# integer maxima (fwd_sm90.cu, kIntMax), against its every 4th / 8th: every 8th +2.7% at 4k and
+# +3.9-4.6% at 16k (6th +1.8-4%, 12th +1.4-1.7%, 16th +0.7-1.2%, 24th +1.8-2.3%, 3rd -2.7%, 2nd
+# -12%), masked every 6th +1.2-1.5% at 4k and +2.2-2.7% at 16k (4th, 5th, 7th, 12th and 16th
+# between -0.1 and +2.3%). Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The
 # quadratic's relative error, up to 2.1e-3, is below e4m3's rounding of P (O's error against
 # float64 measured the same with and without these, session 40) but would reach the LSE of a row
 # with few keys (whose bound is 1e-3), so calls that return the LSE keep the unit's exponentials.
 FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1]): (12, 0),
                   (64, pretransposed(FP8_TILES[64][0][1])): (12, 0),
-                  (128, FP8_PER_HEAD_TILES[128]): (4, 8), (128, FP8_TILES[128][1][1]): (4, 12),
+                  (128, FP8_PER_HEAD_TILES[128]): (8, 6), (128, FP8_TILES[128][1][1]): (4, 12),
                   (128, FP8_TILES[128][0][1]): (8, 8), (128, pretransposed(FP8_TILES[128][0][1])): (4, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
