@@ -118,6 +118,11 @@ def fp8_rows(compiled: int, per_head: bool) -> list:
     return [tiles for tiles in fwd_sm90.fp8_tile_rows(compiled) if per_head or tiles[1] == 128]
 
 
+# (head dim, row index in fp8_rows, block): every row the kernel may take, with per-128-row (block
+# 128) and per-head (None) descales.
+EVERY_ROW = [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
+             for i in range(len(fp8_rows(hd, block is None)))]
+
 # Per head dim, the index in fp8_rows(..., per_head=False) of the pre-transposed 128-key row.
 PRETRANSPOSED_ROWS = {hd: next(i for i, row in enumerate(fp8_rows(hd, False)) if row[5]) for hd in fwd_sm90.FP8_HEADDIMS}
 
@@ -214,8 +219,7 @@ extern "C" __global__ void both(const float* x, float* fma, float* unit, int n) 
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_lse", [True, False])
-@pytest.mark.parametrize("headdim,row,block", [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
-                                               for i in range(len(fp8_rows(hd, block is None)))])
+@pytest.mark.parametrize("headdim,row,block", EVERY_ROW)
 def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
     """Each row the kernel may take (fp8_rows) on a shape with ragged tails (keys not a multiple of
     16 or of a block), GQA, causal or not, with per-block and per-head descales, returning the LSE
@@ -304,11 +308,10 @@ def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, 
 @hopper_only
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_lse", [True, False])
-@pytest.mark.parametrize("headdim,row,block", [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
-                                               for i in range(len(fp8_rows(hd, block is None)))])
+@pytest.mark.parametrize("headdim,row,block", EVERY_ROW)
 def test_fp8_blocks_and_rows_of_negative_scores(headdim, row, block, with_lse, causal):
-    """test_gpu_fwd's blocks and rows of negative scores (the integer row maxima's fallback) on every
-    FP8 row, with and without the LSE."""
+    """test_gpu_fwd's blocks and rows of negative scores (the integer row maxima's fallback,
+    gpu_attention.signed_scores_inputs) on every FP8 row, with and without the LSE."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     inputs = gpu_attention.signed_scores_inputs((1, 200, 2, headdim), (1, 1100, 2, headdim), g)
     quantized = tuple(cuflash.quantize_fp8(x.to(torch.bfloat16), block=block) for x in inputs)

@@ -82,26 +82,44 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // blocks of a long row, so a caller may skip the O rescale when no row of the warp moved
 // (FlashAttention-4's trick; exact, since O, the sum and the LSE all use the same maximum).
 //
-// The thread's maximum is taken in kChains interleaved chains joined by a tree: one chain over 32
-// scores is 17 dependent FMNMX deep (the exponentials wait for it), four chains are 6. A kernel's
-// choice: where ping-pong already hides the chain, the other schedule ptxas makes of the softmax
-// can cost more than the depth saves (fwd_sm90.cu, kMaxChains).
-template <int kCols, int kChains = 1, typename Score>
-__device__ __forceinline__ float quad_row_max(Score&& score) {
+// The row's maximum over the quad (its kCols scores a thread), of the scores (T float) or of their
+// bits read as signed ints (T int: quad_row_max_bits). The thread's part is taken in kChains
+// interleaved chains joined by a tree: one chain over 32 scores is 17 dependent FMNMX deep (the
+// exponentials wait for it), four chains are 6. A kernel's choice: where ping-pong already hides the
+// chain, the other schedule ptxas makes of the softmax can cost more than the depth saves
+// (fwd_sm90.cu, kMaxChains).
+__device__ __forceinline__ float score_as(float x, float) { return x; }
+__device__ __forceinline__ int score_as(float x, int) { return __float_as_int(x); }
+__device__ __forceinline__ float max2(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ int max2(int a, int b) { return max(a, b); }
+__device__ __forceinline__ float max3(float a, float b, float c) { return fmaxf(a, fmaxf(b, c)); }
+__device__ __forceinline__ int max3(int a, int b, int c) { return __vimax3_s32(a, b, c); }  // VIMNMX3 on sm_90
+
+template <typename T, int kCols, int kChains, typename Score>
+__device__ __forceinline__ T quad_row_max_of(Score&& score, T lowest) {
   static_assert(kCols % 2 == 0, "scores come in column pairs");
   static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && 2 * kChains <= kCols, "a power of two of chains");
-  float chain[kChains];
+  T chain[kChains];
 #pragma unroll
-  for (int k = 0; k < kChains; ++k) chain[k] = -infinity();
+  for (int k = 0; k < kChains; ++k) chain[k] = lowest;
 #pragma unroll
   for (int c = 0; c < kCols; c += 2) {
-    chain[(c / 2) % kChains] = fmaxf(chain[(c / 2) % kChains], fmaxf(score(c), score(c + 1)));
+    chain[(c / 2) % kChains] = max3(chain[(c / 2) % kChains], score_as(score(c), T()), score_as(score(c + 1), T()));
   }
 #pragma unroll
   for (int width = kChains / 2; width > 0; width /= 2)
 #pragma unroll
-    for (int k = 0; k < width; ++k) chain[k] = fmaxf(chain[k], chain[k + width]);
-  return lanes_max<4>(chain[0]);
+    for (int k = 0; k < width; ++k) chain[k] = max2(chain[k], chain[k + width]);
+#pragma unroll
+  for (int offset = 1; offset < 4; offset *= 2) {
+    chain[0] = max2(chain[0], __shfl_xor_sync(0xffffffffu, chain[0], offset));
+  }
+  return chain[0];
+}
+
+template <int kCols, int kChains = 1, typename Score>
+__device__ __forceinline__ float quad_row_max(Score&& score) {
+  return quad_row_max_of<float, kCols, kChains>(score, -infinity());
 }
 
 #if __CUDA_ARCH__ >= 900  // (earlier GPUs emulate VIMNMX3)
@@ -114,25 +132,7 @@ __device__ __forceinline__ float quad_row_max(Score&& score) {
 // quad_row_max instead.
 template <int kCols, int kChains = 1, typename Score>
 __device__ __forceinline__ int quad_row_max_bits(Score&& score) {
-  static_assert(kCols % 2 == 0, "scores come in column pairs");
-  static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && 2 * kChains <= kCols, "a power of two of chains");
-  int chain[kChains];
-#pragma unroll
-  for (int k = 0; k < kChains; ++k) chain[k] = -2147483647 - 1;  // (no climits under NVRTC)
-#pragma unroll
-  for (int c = 0; c < kCols; c += 2) {
-    chain[(c / 2) % kChains] =
-        __vimax3_s32(chain[(c / 2) % kChains], __float_as_int(score(c)), __float_as_int(score(c + 1)));
-  }
-#pragma unroll
-  for (int width = kChains / 2; width > 0; width /= 2)
-#pragma unroll
-    for (int k = 0; k < width; ++k) chain[k] = max(chain[k], chain[k + width]);
-#pragma unroll
-  for (int offset = 1; offset < 4; offset *= 2) {
-    chain[0] = max(chain[0], __shfl_xor_sync(0xffffffffu, chain[0], offset));
-  }
-  return chain[0];
+  return quad_row_max_of<int, kCols, kChains>(score, -2147483647 - 1);  // (no climits under NVRTC)
 }
 #endif
 
