@@ -136,7 +136,7 @@ __device__ __forceinline__ int quad_row_max_bits(Score&& score) {
 }
 #endif
 
-// block_max: quad_row_max of the row's scores of this block.
+// block_max: the row's largest score of this block (quad_row_max's, or quad_row_max_bits' read as a float).
 template <int kStaleMax = 0>
 __device__ __forceinline__ float online_softmax_max(float block_max, float& row_max, float scale_log2, float& base) {
   float mx = fmaxf(row_max, block_max * scale_log2);
