@@ -278,7 +278,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
     int bits[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) bits[hf] = quad_row_max_bits<kN / 4, kMaxChains>(row_scores(hf));
-    const bool all_negative = __any_sync(0xffffffffu, (bits[0] | bits[1]) < 0);  // a row of the warp's
+    const bool all_negative = __any_sync(0xffffffffu, (bits[0] | bits[1]) < 0);  // in some row of the warp
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
       block_max[hf] = all_negative ? quad_row_max<kN / 4, kMaxChains>(row_scores(hf)) : __int_as_float(bits[hf]);
@@ -387,8 +387,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
   // kIntMax: the row maxima as three-input integer maxima of the scores' bits (quad_row_max_bits,
   // half the instructions of the FMNMX chain, in kMaxChains chains; block_softmax), bitwise the
-  // same results (the outputs compared on every row measured). Measured on
-  // H200 against the FMNMX chain (NOTES-fp8.md and NOTES-sm90.md, session 42): 16 bits +0.5-6%
+  // same results (the outputs compared on every row measured). Measured on H200 against the FMNMX
+  // chain (NOTES-fp8.md and NOTES-sm90.md, session 42): 16 bits +0.5-6%
   // (head dim 128 at 4k +6%, 192 +5%), e4m3 with the LSE +5%, head dim 256 +2%. With the FMA pipe's
   // exponentials, ex2_fma must then scale by a factor (ptxas serialises the wgmmas otherwise,
   // C7511), one instruction more each: head dim 128's per-head row +2% (causal +5.5-7.5%), its
