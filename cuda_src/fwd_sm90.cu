@@ -388,15 +388,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // kIntMax: the row maxima as three-input integer maxima of the scores' bits (quad_row_max_bits,
   // half the instructions of the FMNMX chain, in kMaxChains chains; block_softmax), bitwise the
   // same results (the outputs compared on every row measured). Measured on H200 against the FMNMX
-  // chain (NOTES-fp8.md and NOTES-sm90.md, session 42): 16 bits +0.5-6%
-  // (head dim 128 at 4k +6%, 192 +5%), e4m3 with the LSE +5%, head dim 256 +2%. With the FMA pipe's
-  // exponentials, ex2_fma must then scale by a factor (ptxas serialises the wgmmas otherwise,
-  // C7511), one instruction more each: head dim 128's per-head row +2% (causal +5.5-7.5%), its
-  // in-kernel V^T row at 1k +2%, its masked 128-key rows +2%; its unmasked pretransposed 128-key
-  // rows (attention(fp8=True) among them) -1 to -2% and head dim 64's rows -0.5 to -2.7%, which
-  // keep the FMNMX chain.
-  constexpr bool kIntMax = !(kTensorRowSums && kExpOnFma > 0) ||
-                           (kHeadDim == 128 && (kBlockN > 128 || kMasked || !kVPreTransposed));
+  // chain (NOTES-fp8.md and NOTES-sm90.md, sessions 42-43): 16 bits +0.5-6% (head dim 128 at 4k
+  // +6%, 192 +5%), e4m3 with the LSE +5%, head dim 256 +2%. With the FMA pipe's exponentials,
+  // ex2_fma must then scale by a factor (ptxas serialises the wgmmas otherwise, C7511), one
+  // instruction more each: at head dim 128 +1-7.5% with FP8_EXP_ON_FMA's counts retuned beside it;
+  // head dim 64's rows lost 0.5-5.5% at every count tried and keep the FMNMX chain.
+  constexpr bool kIntMax = !(kTensorRowSums && kExpOnFma > 0) || kHeadDim == 128;
   // The softmax of a warpgroup's top key block on its first half only where its rows see only that
   // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;
   // the unmasked ones keep their smaller code, which the extra path cost 2-4%), with pass-by (its

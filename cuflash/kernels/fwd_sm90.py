@@ -157,35 +157,31 @@ def pretransposed(tiles: tuple) -> tuple:
 
 
 # e4m3, calls without the LSE, per (compiled head dim, tile row): (unmasked, masked) every this
-# many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma, ex2_fma: a quadratic,
-# six FMA-pipe instructions), the others on the special-function unit (taking every exponential away
-# saved a sixth of head dim 128's time: benchmarks/NOTES-fp8.md, session 29); 0: all there. (Session
-# 17's cubic, every 16th to 4th on the 128-key row, lost 1-6%: NOTES-fp8.md.) Measured on H100
-# (CUDA graphs, interleaved, FA3 sizing; NOTES-fp8.md, sessions 39 and 40), where the gain follows
-# which columns move more than how many, and how busy the FMA pipe is already. With P's row sums in
-# fp32 (session 39): head dim 128, per-head row, every 32nd (2 of a row's 48 columns) +3.5-5% at
-# 4k-16k (every 24th the same, every 4th +2-3.5%, every 48th -1%), masked -2 to -3% at every count
-# tried; the 128-key rows -4 / -2 / -0.5% every 4th / 8th / 16th. With the row sums on the tensor
-# cores (FP8_TENSOR_ROW_SUMS; session 40), where the FMA pipe has room: at 128, every 8th on every
-# row first (against fp32 sums: per-head +2-2.5%, masked +4-4.5%, the 128-key rows +4-5%, masked
-# +5-5.5%), then against that every 4th on the per-head row +0.7-4% (masked -2%), on the
-# pre-transposed 128-key row +1.5% (masked: every 12th +2-2.5%), on attention(fp8=True)'s flipped
-# in-kernel row (pretransposed) +1.5-2.7% (masked not measured); the in-kernel row keeps every 8th
-# (every 0th / 4th / 12th 0.3-4% slower, masked too); at 64, every 12th on the in-kernel row and its
-# flipped one +2-2.8% at 1k-4k (masked +0.4-0.7%: not taken), every 4th / 6th -1 to -3%. Head dim
-# 64's row-sums row beyond 4k every 16th (2 of 32) +5-6% at 8k-16k, masked +2-4% (every 8th
-# +3-4%, every 32nd -1%; session 39). Session 42 (H200), once the per-head row took its maxima as
-# integer maxima (fwd_sm90.cu, kIntMax), against its every 4th / 8th: every 8th +2.7% at 4k and
-# +3.9-4.6% at 16k (6th +1.8-4%, 12th +1.4-1.7%, 16th +0.7-1.2%, 24th +1.8-2.3%, 3rd -2.7%, 2nd
-# -12%), masked every 6th +1.2-1.5% at 4k and +2.2-2.7% at 16k (4th, 5th, 7th, 12th and 16th
-# between -0.1 and +2.3%). Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The
-# quadratic's relative error, up to 2.1e-3, is below e4m3's rounding of P (O's error against
-# float64 measured the same with and without these, session 40) but would reach the LSE of a row
-# with few keys (whose bound is 1e-3), so calls that return the LSE keep the unit's exponentials.
+# many-th exponential of a thread's row on the FMA pipe (the kernel's kExpOnFma; ex2_fma, a quadratic
+# of six or seven FMA-pipe instructions against one MUFU.EX2), the others on the special-function
+# unit; 0: all there. Why: taking every exponential away saved a sixth of head dim 128's time, and
+# e4m3's GEMMs are half as long as 16-bit ones against the same softmax (NOTES-fp8.md, session 29).
+# What pays follows which columns move more than how many, and how busy the FMA pipe already is:
+# every count below is the best of a sweep (CUDA graphs interleaved, FA3 sizing; NOTES-fp8.md,
+# sessions 39-43), each row beside its neighbours' counts:
+# - head dim 128, per-head 192-key row: every 8th, masked 6th (H200, with integer maxima: +2.7% at
+#   4k, +3.9-4.6% at 16k against every 4th; masked +1.2-2.7% against every 8th);
+# - head dim 128, pretransposed 128-key rows (per-128-row descales, attention(fp8=True)): every 6th,
+#   masked 8th (H200, with integer maxima: +0.8-1.1% and +2.3% at attention(fp8=True)'s 2k against
+#   every 4th without them, masked +1.9% against every 12th);
+# - head dim 128, in-kernel V^T row (up to 2k rows): every 8th, masked too (H100: 0, 4 and 12
+#   0.3-4% slower);
+# - head dim 64: every 12th on the in-kernel rows (H100 +2-2.8% at 1k-4k, masked not taken), every
+#   16th on the row-sums row beyond 4k, masked too (+5-6% at 8k-16k, masked +2-4%); on the H200
+#   neither integer maxima nor other counts (8th-24th) beat these.
+# Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative error, up to
+# 2.1e-3, is below e4m3's rounding of P (O's error against float64 measured the same with and
+# without, session 40) but would reach the LSE of a row with few keys (whose bound is 1e-3), so
+# calls that return the LSE keep the unit's exponentials.
 FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1]): (12, 0),
                   (64, pretransposed(FP8_TILES[64][0][1])): (12, 0),
-                  (128, FP8_PER_HEAD_TILES[128]): (8, 6), (128, FP8_TILES[128][1][1]): (4, 12),
-                  (128, FP8_TILES[128][0][1]): (8, 8), (128, pretransposed(FP8_TILES[128][0][1])): (4, 0)}
+                  (128, FP8_PER_HEAD_TILES[128]): (8, 6), (128, FP8_TILES[128][1][1]): (6, 8),
+                  (128, FP8_TILES[128][0][1]): (8, 8), (128, pretransposed(FP8_TILES[128][0][1])): (6, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
