@@ -345,8 +345,9 @@ def implementations(xp, config: Config, backward: bool, extra=(), copies: int = 
     """name -> call for one configuration: the peers first (torch-flash is the error column's
     reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced),
     "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
-    times it, and one per 128-row block; and attention(fp8=True, hadamard=True), which quantizes
-    q, k and v each call: FP8 end to end; torch arrays only) and "deterministic" (the backward
+    times it, and one per 128-row block; per head again returning the LSE, whose kernel sums P's
+    rows in fp32 and takes every exponential on the special-function unit; and attention(fp8=True,
+    hadamard=True), which quantizes q, k and v each call: FP8 end to end; torch arrays only) and "deterministic" (the backward
     with deterministic=True). With `copies` > 1 each call cycles through that many sets of inputs
     (input_copies), every implementation starting on the first."""
     g = xp.generator(config.seqlen * config.headdim)
@@ -373,6 +374,10 @@ def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
                 (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
                 impls[name] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd: cuflash.attention_fp8(
                     q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=config.dtype))
+                if block is None:  # out for the error column, the LSE written beside it
+                    impls["cuflash-fp8-lse"] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd:
+                                                cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal,
+                                                                      out_dtype=config.dtype, return_lse=True)[0])
             impls["cuflash-fp8-e2e"] = lambda: cuflash.attention(q, k, v, causal=causal, fp8=True, hadamard=True)
         return impls
     dout = xp.randn(shape, config.dtype, g)

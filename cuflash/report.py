@@ -12,18 +12,23 @@ from pathlib import Path
 # cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
 # cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
+# cuflash-fp8-lse: cuflash-fp8 returning the LSE too (its kernel's row sums in fp32, no FMA-pipe exponentials).
 # cuflash-fp8-e2e: attention(fp8=True, hadamard=True), quantizing q, k and v each call.
 # jax-cudnn-fp8: cuDNN's FP8 forward (through JAX, in its process; cuflash.bench._jax_cudnn_fp8).
 PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",
-         "cuflash-fp8-block", "cuflash-fp8-e2e", "jax-cudnn-fp8")
-# One colour per implementation in every chart (matplotlib's default cycle, in PEERS order).
-COLORS = dict(zip(("cuflash",) + PEERS, ("#1f77b4", "#ff7f0e", "#8c564b", "#2ca02c", "#d62728", "#9467bd",
-                                          "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")))
+         "cuflash-fp8-block", "cuflash-fp8-lse", "cuflash-fp8-e2e", "jax-cudnn-fp8")
+# One colour per implementation in every chart (matplotlib's default cycle, then tab20's light blue;
+# an implementation keeps its colour when a column is added).
+COLORS = {"cuflash": "#1f77b4", "cuflash-sm80": "#ff7f0e", "cuflash-deterministic": "#8c564b",
+          "torch-flash": "#2ca02c", "torch-cudnn": "#d62728", "jax-cudnn": "#9467bd", "cuflash-fp8": "#e377c2",
+          "cuflash-fp8-block": "#7f7f7f", "cuflash-fp8-e2e": "#bcbd22", "jax-cudnn-fp8": "#17becf",
+          "cuflash-fp8-lse": "#aec7e8"}
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
           "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
           "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
           "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales",
+          "cuflash-fp8-lse": "cuflash FP8 (e4m3), per-head scales, returning the LSE",
           "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)",
           "jax-cudnn-fp8": "JAX, cuDNN FP8 (e4m3), per-tensor scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)", "decode": "Decode steps"}

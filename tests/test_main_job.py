@@ -203,14 +203,19 @@ def test_report_tables_and_charts(tmp_path):
 
 
 def test_report_shows_the_fp8_columns(tmp_path):
-    """FP8 rows: the kernel on quantized inputs (per head, per block), end to end, and the speed-up."""
+    """FP8 rows: the kernel on quantized inputs (per head, per block, per head returning the LSE), end
+    to end, and the speed-up; every implementation has a colour and a label of its own."""
     (tmp_path / "fwd_torch.json").write_text(json.dumps(_document(
-        {"cuflash": 600, "torch-cudnn": 640, "cuflash-fp8": 900, "cuflash-fp8-block": 840, "cuflash-fp8-e2e": 660})))
+        {"cuflash": 600, "torch-cudnn": 640, "cuflash-fp8": 900, "cuflash-fp8-block": 840, "cuflash-fp8-lse": 870,
+         "cuflash-fp8-e2e": 660})))
     assert [p.name for p in report.write(tmp_path, charts=True)] == ["fwd.md", "fwd_bfloat16.png"]
     table = (tmp_path / "fwd.md").read_text()
-    assert ("| cuflash | torch-cudnn | cuflash-fp8 | cuflash-fp8-block | cuflash-fp8-e2e | cuflash / FA2 | "
-            "cuflash / cuDNN | fp8 / cuflash | clock MHz |") in table
-    assert "| bfloat16 | 128 | 0 | 4096 | 600 | 640 | 900 | 840 | 660 | - | 0.94 | 1.50 | 1980 |" in table
+    assert ("| cuflash | torch-cudnn | cuflash-fp8 | cuflash-fp8-block | cuflash-fp8-lse | cuflash-fp8-e2e | "
+            "cuflash / FA2 | cuflash / cuDNN | fp8 / cuflash | clock MHz |") in table
+    assert "| bfloat16 | 128 | 0 | 4096 | 600 | 640 | 900 | 840 | 870 | 660 | - | 0.94 | 1.50 | 1980 |" in table
+    implementations = ("cuflash",) + report.PEERS
+    assert set(report.COLORS) == set(implementations) == set(report.LABELS)
+    assert len(set(report.COLORS.values())) == len(implementations)
 
 
 def test_report_compares_fp8_with_cudnn_fp8(tmp_path):
@@ -336,13 +341,13 @@ def test_run_compares_every_implementation_on_the_first_copy_and_times_from_it(m
 
 @pytest.mark.gpu
 def test_bench_graph_timing_on_torch():
-    """Graph timing captures cuflash (bf16 and e4m3, whose V^T pass and workspace are captured too, and
-    attention(fp8=True) with its quantizations) and torch SDPA's peers."""
+    """Graph timing captures cuflash (bf16; e4m3 with and without the LSE, whose V^T pass and workspace
+    are captured too; attention(fp8=True) with its quantizations) and torch SDPA's peers."""
     pytest.importorskip("torch")
     grid = [bench.Config("bfloat16", 256, False, 1024, 2, 4)]
     rows = bench.run(grid, reps=3, warmup=1, xp=bench._Torch(), extra=("fp8",), graph_calls=4)
-    assert {r["impl"] for r in rows} >= {"cuflash", "cuflash-fp8", "cuflash-fp8-block", "cuflash-fp8-e2e",
-                                         "torch-cudnn"}
+    assert {r["impl"] for r in rows} >= {"cuflash", "cuflash-fp8", "cuflash-fp8-block", "cuflash-fp8-lse",
+                                         "cuflash-fp8-e2e", "torch-cudnn"}
     assert all(r["graph_calls"] == 4 and r["tflops"] > 1 for r in rows)
 
 
