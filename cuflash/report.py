@@ -67,6 +67,17 @@ def _jax_timing(rows: list[dict]) -> str:
     return f"programs of {calls.pop()} calls" if len(calls) == 1 and None not in calls else "calls back to back"
 
 
+def _graph_timing(results: list[dict]) -> str:
+    """How the torch process timed its rows, where it replayed CUDA graphs (bench.time_graphs); read
+    from every document's meta, since the JAX process's (which never does) sorts first."""
+    calls = sorted({res["meta"]["graph_calls"] for res in results if res["meta"].get("graph_calls")})
+    if not calls:
+        return ""
+    jax = any(r["impl"].startswith("jax-") for res in results for r in res["rows"])
+    whose = "of the torch process's " if jax else ""
+    return f", each {whose}a CUDA graph replay of {' or '.join(map(str, calls))} calls"
+
+
 def render(results: list[dict], title: str = "Forward") -> str:
     """A markdown table: TFLOP/s of every implementation, cuflash's ratios to FA2 and cuDNN, the FP8
     kernel's (per-head scales) to cuflash's 16-bit one and to cuDNN's FP8 forward, the clock."""
@@ -79,7 +90,7 @@ def render(results: list[dict], title: str = "Forward") -> str:
     fp8_cudnn = fp8 and "jax-cudnn-fp8" in peers  # and its ratio to cuDNN's FP8 forward
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
-           + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
+           + _graph_timing(results)
            + (f"; {', '.join(p for p in peers if p.startswith('jax-'))} timed in JAX's process, {_jax_timing(rows)}"
               if any(p.startswith("jax-") for p in peers) else "") + "; "
            f"{_clock_range(rows)})."
@@ -124,7 +135,7 @@ def render_decode(results: list[dict], title: str = "Decode steps") -> str:
     fp8 = "cuflash-fp8" in peers
     out = [f"{title} on {rows[0]['gpu'] if rows else '?'}, {meta['date']}: microseconds a call, median of "
            f"{meta['reps']} interleaved repetitions"
-           + (f", each a CUDA graph replay of {meta['graph_calls']} calls" if meta.get("graph_calls") else "")
+           + _graph_timing(results)
            + f"; {_clock_range(rows)}. Copies: the sets of inputs a row's calls cycle through, so that each reads K "
            "and V from memory rather than from the L2 the previous call filled (cuflash.bench.input_copies; 1: the "
            "same inputs every call). Causal rows (speculative decoding's steps) align the mask bottom-right, the "

@@ -251,6 +251,10 @@ def test_report_says_graph_timing():
     assert "CUDA graph" not in report.render([document])
     document["meta"]["graph_calls"] = 7
     assert "median of 20 interleaved repetitions, each a CUDA graph replay of 7 calls" in report.render([document])
+    # JAX's document (which write() reads first) has none; the torch process's timing is still named.
+    jax_document = _document({"jax-cudnn": 620})
+    assert ("median of 20 interleaved repetitions, each of the torch process's a CUDA graph replay of 7 calls; "
+            "jax-cudnn timed in JAX's process") in report.render([jax_document, document])
 
 
 class _FakeTiming:
