@@ -103,17 +103,19 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # +8-26%), while beyond 4k free or ping-pong in the kernel lose 3-4% to V^T beforehand (H100,
 # benchmarks/NOTES-fp8.md). Shared memory holds K, V^T and (transposed in the kernel) the staged V
 # per stage: at 256, two stages of those take 224 KiB and O is stored straight from registers,
-# while pre-transposed there is room to stage O; at 128 a third stage measured +3-6% non-causal on
-# H100, O still staged, and no ping-pong +1-5% from 2k (session 17: e4m3's GEMMs are half as long
-# as 16-bit ones against the same softmax, and taking turns for them cost more than it hid); at 64
-# (half-filled 128-byte rows) three consumer warpgroups (160 registers each, the producer 32)
-# measured 1.02-1.15x bf16 against 0.80-0.93x with two.
+# while pre-transposed there is room to stage O, and there the consumers run free since the
+# integer row maxima (H200, session 43, against ping-pong: +0.8-1.1% at 16k in four alternations,
+# -0.5 to +1.9% at 1k-4k, causal +0-0.4%; tile sync -0.7 to +0.7%); at 128 a third stage
+# measured +3-6% non-causal on H100, O still staged, and no ping-pong +1-5% from 2k (session 17:
+# e4m3's GEMMs are half as long as 16-bit ones against the same softmax, and taking turns for them
+# cost more than it hid); at 64 (half-filled 128-byte rows) three consumer warpgroups (160
+# registers each, the producer 32) measured 1.02-1.15x bf16 against 0.80-0.93x with two.
 FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
                   (None, (3, 128, 2, "pingpong", "overlap", True))),
              128: ((2048, (2, 128, 3, "tile", "overlap", False)),
                    (None, (2, 128, 3, "free", "overlap", True))),
              256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
-                   (None, (2, 128, 2, "pingpong", "overlap", True)))}
+                   (None, (2, 128, 2, "free", "overlap", True)))}
 # Per compiled head dim: from this many query rows on, a problem whose keys are no more than its
 # query rows takes the head dim's V^T-beforehand FP8_TILES row whatever its seqlen_q bound says.
 # With few keys a tile has few blocks, and the in-kernel transpose of the first ones is not hidden
