@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // +6%, 192 +5%), e4m3 with the LSE +5%, head dim 256 +2%. With the FMA pipe's exponentials,
   // ex2_fma must then scale by a factor (ptxas serialises the wgmmas otherwise, C7511), one
   // instruction more each: at head dim 128 +1-7.5% with FP8_EXP_ON_FMA's counts retuned beside it;
-  // head dim 64's rows lost 0.5-5.5% at every count tried and keep the FMNMX chain.
+  // head dim 64's rows lost 0.5-5.6% at every count tried and keep the FMNMX chain.
   constexpr bool kIntMax = !(kTensorRowSums && kExpOnFma > 0) || kHeadDim == 128;
   // The softmax of a warpgroup's top key block on its first half only where its rows see only that
   // half (half_top): in the variants for masked problems (kMasked: a causal diagonal or a window;

@@ -347,8 +347,8 @@ def implementations(xp, config: Config, backward: bool, extra=(), copies: int = 
     "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
     times it, and one per 128-row block; per head again returning the LSE, whose kernel sums P's
     rows in fp32 and takes every exponential on the special-function unit; and attention(fp8=True,
-    hadamard=True), which quantizes q, k and v each call: FP8 end to end; torch arrays only) and "deterministic" (the backward
-    with deterministic=True). With `copies` > 1 each call cycles through that many sets of inputs
+    hadamard=True), which quantizes q, k and v each call: FP8 end to end; torch arrays only) and
+    "deterministic" (the backward with deterministic=True). With `copies` > 1 each call cycles through that many sets of inputs
     (input_copies), every implementation starting on the first."""
     g = xp.generator(config.seqlen * config.headdim)
     sets = [_implementations_on(xp, config, backward, extra, g) for _ in range(copies)]

@@ -12,7 +12,7 @@ from pathlib import Path
 # cuflash-sm80: the fallback kernel forced (backend="sm80"), timed beside the default on Hopper.
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
 # cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
-# cuflash-fp8-lse: cuflash-fp8 returning the LSE too (its kernel's row sums in fp32, no FMA-pipe exponentials).
+# cuflash-fp8-lse: cuflash-fp8 returning the LSE too (its kernel: fp32 row sums, no FMA-pipe exponentials).
 # cuflash-fp8-e2e: attention(fp8=True, hadamard=True), quantizing q, k and v each call.
 # jax-cudnn-fp8: cuDNN's FP8 forward (through JAX, in its process; cuflash.bench._jax_cudnn_fp8).
 PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",

@@ -169,8 +169,8 @@ def pretransposed(tiles: tuple) -> tuple:
 # - head dim 128, per-head 192-key row: every 8th, masked 6th (H200, with integer maxima: +2.7% at
 #   4k, +3.9-4.6% at 16k against every 4th; masked +1.2-2.7% against every 8th);
 # - head dim 128, pretransposed 128-key rows (per-128-row descales, attention(fp8=True)): every 6th,
-#   masked 8th (H200, with integer maxima: +0.8-1.1% and +2.3% at attention(fp8=True)'s 2k against
-#   every 4th without them, masked +1.9% against every 12th);
+#   masked 8th (H200, with integer maxima: +0.5-1.1% at 4k-16k and +2.1-2.3% at attention(fp8=True)'s
+#   2k against every 4th without them, masked +1.2-2.1% against every 12th);
 # - head dim 128, in-kernel V^T row (up to 2k rows): every 8th, masked too (H100: 0, 4 and 12
 #   0.3-4% slower);
 # - head dim 64: every 12th on the in-kernel rows (H100 +2-2.8% at 1k-4k, masked not taken), every
