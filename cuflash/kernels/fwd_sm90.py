@@ -760,6 +760,18 @@ def _check_transposed_blocks(variant, seqlen_k: int, parts: int = 1) -> None:
                          f"sequence here; got seqlen_k {seqlen_k}")
 
 
+def _wider_row_pays(problem, headdim: int, tiles: tuple) -> bool:
+    """Whether a call with per-head k and v descales gives the pre-transposed FP8_TILES row `tiles`
+    up for its head dim's FP8_PER_HEAD_TILES row: not where a row is forced (fp8_forced_row), nor
+    where the call, without the LSE, would lose P's row sums on the tensor cores, which `tiles`
+    holds and the wider row has no room for (head dim 64: the sums measured the faster; a forced
+    wide row keeps the fp32 sums)."""
+    wider = FP8_PER_HEAD_TILES.get(headdim)
+    if wider is None or not tiles[5] or fp8_forced_row(headdim) is not None:
+        return False
+    return problem.with_lse or not tensor_row_sums_fit(headdim, tiles) or tensor_row_sums_fit(headdim, wider)
+
+
 def select_fp8(problem, inputs) -> FwdSm90Variant:
     check_headdim("fwd_fp8_sm90", problem.headdim, FP8_HEADDIMS[-1])
     check_loadable("fwd_fp8_sm90", problem, inputs)
@@ -772,12 +784,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         return split
     tiles = fp8_tiles(problem)
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
-    # Without the LSE, the row sums on the tensor cores go before the wider row where they do not fit
-    # there (head dim 64; a forced wide row keeps the fp32 sums there).
-    sums_wanted = (not problem.with_lse and tensor_row_sums_fit(headdim, tiles)
-                   and not tensor_row_sums_fit(headdim, FP8_PER_HEAD_TILES.get(headdim, tiles)))
-    if (tiles[5] and kv_per_head and headdim in FP8_PER_HEAD_TILES and fp8_forced_row(headdim) is None
-            and not sums_wanted):
+    if kv_per_head and _wider_row_pays(problem, headdim, tiles):
         tiles = FP8_PER_HEAD_TILES[headdim]
     if tiles[1] != 128 and not kv_per_head:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
