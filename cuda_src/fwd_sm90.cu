@@ -286,6 +286,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     if constexpr (!kIntMax) block_max[hf] = quad_row_max<kN / 4, kMaxChains>(row_scores(hf));
+    // kFmaFactor = kIntMax: beside the integer maxima, ex2_fma's bit add made ptxas serialise the wgmmas
     correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax>(
         row_scores(hf), block_max[hf], row_max[hf], row_sum[hf], scale[hf]);
   }

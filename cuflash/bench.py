@@ -348,8 +348,8 @@ def implementations(xp, config: Config, backward: bool, extra=(), copies: int = 
     times it, and one per 128-row block; per head again returning the LSE, whose kernel sums P's
     rows in fp32 and takes every exponential on the special-function unit; and attention(fp8=True,
     hadamard=True), which quantizes q, k and v each call: FP8 end to end; torch arrays only) and
-    "deterministic" (the backward with deterministic=True). With `copies` > 1 each call cycles through that many sets of inputs
-    (input_copies), every implementation starting on the first."""
+    "deterministic" (the backward with deterministic=True). With `copies` > 1 each call cycles
+    through that many sets of inputs (input_copies), every implementation starting on the first."""
     g = xp.generator(config.seqlen * config.headdim)
     sets = [_implementations_on(xp, config, backward, extra, g) for _ in range(copies)]
     return {name: (_cycling([s[name] for s in sets]) if copies > 1 else call) for name, call in sets[0].items()
