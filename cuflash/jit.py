@@ -118,7 +118,8 @@ def get_function(variant, device_index: int):
                 function.compile()  # compile and load now, not at the first launch
             except cupy.cuda.compiler.CompileException as e:
                 raise CompileError(variant, arch, e.get_message()) from None
-            if variant.dynamic_shared_bytes > 48 * 1024:  # above 48 KiB a kernel must opt in
+            # Without opting in, a launch may ask for 48 KiB less the kernel's static shared memory
+            if variant.dynamic_shared_bytes:
                 function.max_dynamic_shared_size_bytes = variant.dynamic_shared_bytes
             _functions[(variant, device_index)] = function
         return function

@@ -42,7 +42,7 @@ class Variant:
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        """Dynamic shared memory the launch asks for (the launcher raises the function's limit above 48 KiB)."""
+        """Dynamic shared memory the launch asks for (jit.get_function raises the function's limit to it)."""
         return 0
 
     @property
