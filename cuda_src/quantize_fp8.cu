@@ -12,9 +12,10 @@
 // thread holds chunks of kChunk consecutive elements (16 bytes of x) of one or two rows of an item
 // (Layout), all loaded before any is used, and each row's first lane prefetches the thread's rows
 // of the next item into L2 while the CTA works on these: x is read from memory once a launch. The
-// amax is a CTA reduction over the held (transformed) values, which are then converted from
-// registers. The transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks,
-// the others across a row's Layout::kLanes lanes with shuffles.
+// amax is a CTA reduction over the held values, which are then converted from registers. The
+// transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks, the others
+// across a row's Layout::kLanes lanes with shuffles; its factor 1 / sqrt(headdim) joins the amax and
+// the quotient instead of every value (the kernel issues an instruction a cycle and more there).
 //
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
@@ -101,11 +102,16 @@ __device__ __forceinline__ float divide(float x, float descale, float r) {
 
 // A thread's chunks (those at columns below headdim, of rows below seqlen) of x / descale to e4m3,
 // 8 bytes a chunk at x8 + row x8_stride_s + column (x8 is cuflash's, contiguous, so 8-byte aligned).
-template <bool kFiniteDescale, typename L>
-__device__ __forceinline__ void store_codes(const typename L::Values& v, float descale,
+// kHadamard: v holds the transform's sums before their factor `norm` (hadamard_norm), and x / descale
+// is RN(v RN(norm / descale)), one multiply: within two fp32 ulps of the quotient, so a code differs
+// from divide's only for a quotient that close to a boundary between e4m3 codes. (The reference
+// transforms in float64, so no fp32 order of operations would give its codes exactly.) Without the
+// transform, divide: the reference's rounding exactly. An infinite descale divides, both ways.
+template <bool kFiniteDescale, bool kHadamard, typename L>
+__device__ __forceinline__ void store_codes(const typename L::Values& v, float descale, float norm,
                                             unsigned char* x8, long long x8_stride_s, int row0, int row_step,
                                             int seqlen, int col0, int headdim) {
-  const float r = 1.f / descale;
+  const float r = (kHadamard ? norm : 1.f) / descale;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
     const int row = row0 + i * row_step;
@@ -116,7 +122,9 @@ __device__ __forceinline__ void store_codes(const typename L::Values& v, float d
       if (col >= headdim) break;
       float q[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) q[e] = divide<kFiniteDescale>(v[i][c][e], descale, r);
+      for (int e = 0; e < kChunk; ++e) {
+        q[e] = kHadamard && kFiniteDescale ? v[i][c][e] * r : divide<kFiniteDescale>(v[i][c][e], descale, r);
+      }
       *reinterpret_cast<uint2*>(x8 + row * x8_stride_s + col) = make_uint2(pack4_e4m3(q[0], q[1], q[2], q[3]),
                                                                           pack4_e4m3(q[4], q[5], q[6], q[7]));
     }
@@ -138,14 +146,20 @@ __device__ __forceinline__ Item item_at(int item, int nheads, int row_in_block) 
   return {block, item - block * nheads, block * kBlockRows + row_in_block};
 }
 
-// diag(signs) H / sqrt(kHeadDim) on each of the thread's rows: the butterfly's strides within a
+// The transform's factor 1 / sqrt(kHeadDim), as a float.
+template <int kHeadDim>
+__device__ __forceinline__ constexpr float hadamard_norm() {
+  return kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
+}
+
+// diag(signs) H on each of the thread's rows, without the factor hadamard_norm (the caller folds it
+// into the amax and the quotient: a multiply an element fewer): the butterfly's strides within a
 // chunk (1, 2, 4), between a thread's chunks (the column bits above the lanes'), then across the
-// row's lanes.
+// row's lanes, where the upper lane of a pair takes other - v and the lower v + other, as one FMA.
 template <int kHeadDim>
 __device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::Values& v, const QuantizeFp8Params& p,
                                               int lane) {
   using L = Layout<kHeadDim, true>;
-  constexpr float kNorm = kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
 #pragma unroll
@@ -180,20 +194,15 @@ __device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::V
     }
 #pragma unroll
     for (int s = 1; s < L::kLanes; s *= 2) {  // partners in lane ^ s of the row's lanes
-      const bool upper = lane & s;
+      const float sign = lane & s ? -1.f : 1.f;
 #pragma unroll
       for (int c = 0; c < L::kPieces; ++c) {
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) {
           const float other = __shfl_xor_sync(0xffffffffu, v[i][c][e], s);
-          v[i][c][e] = upper ? other - v[i][c][e] : v[i][c][e] + other;
+          v[i][c][e] = fmaf(v[i][c][e], sign, other);
         }
       }
-    }
-#pragma unroll
-    for (int c = 0; c < L::kPieces; ++c) {
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) v[i][c][e] *= kNorm;
     }
   }
 }
@@ -243,6 +252,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     return;
   }
 
+  const float norm = hadamard_norm<kHeadDim>();  // kHadamard's, folded into the amax and the quotient
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
     const auto [block, h, row0] = item_at(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
@@ -289,6 +299,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
         }
       }
       amax = cta_max<kWarps>(amax, warp_amax[j % 2]);
+      if constexpr (kHadamard) amax *= norm;  // RN(amax norm): the largest of the rounded RN(v norm)
       if (p.pass == kHeadAmax) {
         if (threadIdx.x == 0) p.block_amax[head * nblocks + block] = amax;
         continue;
@@ -298,9 +309,10 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     }
     unsigned char* x8 = p.x8 + b * p.x8_stride_b + h * p.x8_stride_h;
     if (descale < infinity()) {
-      store_codes<true, L>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
+      store_codes<true, kHadamard, L>(v, descale, norm, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
     } else {
-      store_codes<false, L>(v, descale, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0, p.headdim);
+      store_codes<false, kHadamard, L>(v, descale, norm, x8, p.x8_stride_s, row0, kRowStep, p.seqlen, col0,
+                                       p.headdim);
     }
   }
 }
