@@ -388,13 +388,11 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
 
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
     const auto [block, h, key0] = item_at(item, p.nheads, first_key);
-    const T* x = x_batch + h * p.x_stride_h;
+    const T* at = x_batch + h * p.x_stride_h + key0 * p.x_stride_s;  // key k's, stepped (not multiplied)
     float v[kKeys][4];
 #pragma unroll
-    for (int k = 0; k < kKeys; ++k) {
-      const int key = key0 + k;
-      if (live && key < p.seqlen) {
-        const T* at = x + key * p.x_stride_s;
+    for (int k = 0; k < kKeys; ++k, at += p.x_stride_s) {
+      if (live && key0 + k < p.seqlen) {
         if constexpr (kVectorLoads) {  // 16-byte aligned rows: col is a multiple of 4, so 8 bytes
           const uint2 words = *reinterpret_cast<const uint2*>(at);
           v[k][0] = to_float(T{static_cast<unsigned short>(words.x & 0xffffu)});
@@ -410,13 +408,10 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
         for (int c = 0; c < 4; ++c) v[k][c] = 0.f;  // leaves the amax as it is; a padding key's code is 0
       }
     }
-    if (j + 1 < kItemsPerCta && item + 1 < items && lane % 8 == 0) {  // a slot's 64 bytes of a key: one line
-      const Item next = item_at(item + 1, p.nheads, first_key);
-#pragma unroll
-      for (int k = 0; k < kKeys; ++k) {
-        const int key = next.row0 + k;
-        if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);
-      }
+    if (j + 1 < kItemsPerCta && item + 1 < items) {  // a slot's 64 bytes of a key lie in one line:
+      const Item next = item_at(item + 1, p.nheads, first_key);  // its lane c prefetches key c's
+      const int key = next.row0 + lane % 8;
+      if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);
     }
     float amax = 0.f;  // fmaxf skips NaNs, as in quantize_fp8
 #pragma unroll
