@@ -14,8 +14,8 @@
 // of the next item into L2 while the CTA works on these: x is read from memory once a launch. The
 // amax is a CTA reduction over the held values, which are then converted from registers. The
 // transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks, the others
-// across a row's Layout::kLanes lanes with shuffles; its factor 1 / sqrt(headdim) joins the amax and
-// the quotient instead of every value (the kernel issues an instruction a cycle and more there).
+// across a row's Layout::kLanes lanes with shuffles. Its factor 1 / sqrt(headdim) joins the amax and
+// the quotient instead of multiplying every value: that pass is bound by instruction issue.
 //
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
@@ -408,8 +408,9 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
         for (int c = 0; c < 4; ++c) v[k][c] = 0.f;  // leaves the amax as it is; a padding key's code is 0
       }
     }
-    if (j + 1 < kItemsPerCta && item + 1 < items) {  // a slot's 64 bytes of a key lie in one line:
-      const Item next = item_at(item + 1, p.nheads, first_key);  // its lane c prefetches key c's
+    // A slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
+    if (j + 1 < kItemsPerCta && item + 1 < items) {
+      const Item next = item_at(item + 1, p.nheads, first_key);
       const int key = next.row0 + lane % 8;
       if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);
     }
