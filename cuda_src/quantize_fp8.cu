@@ -68,19 +68,25 @@ struct Layout {
 };
 __host__ __device__ constexpr int quantize_threads(int head_dim) { return kBlockRows * head_dim / kElements; }
 
-// The kChunk elements of x at `at` as floats; kVectorLoads: one 16-byte load (the row is 16-byte
-// aligned), else element by element.
+// The kChunk elements of x at `at` as floats, each pair of 16-bit elements XORed first with its
+// word of `negate` (bit 15: the lower element's sign, bit 31: the upper's; the transform's signs, a
+// bitwise operation the conversion's own absorbs); kVectorLoads: one 16-byte load (the row is
+// 16-byte aligned), else element by element.
 template <typename T, bool kVectorLoads>
-__device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk]) {
+__device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk], uint4 negate) {
   static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
+  const unsigned masks[4] = {negate.x, negate.y, negate.z, negate.w};
+  unsigned words[4];
   if constexpr (kVectorLoads) {
     const uint4 raw = *reinterpret_cast<const uint4*>(at);
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) v[i] = to_float(T{static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)))});
+    words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
   } else {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) v[i] = to_float(at[i]);
+    for (int w = 0; w < 4; ++w) words[w] = at[2 * w].bits | static_cast<unsigned>(at[2 * w + 1].bits) << 16;
+  }
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    v[i] = to_float(T{static_cast<unsigned short>((words[i / 2] ^ masks[i / 2]) >> (16 * (i % 2)))});
   }
 }
 
@@ -152,22 +158,18 @@ __device__ __forceinline__ constexpr float hadamard_norm() {
   return kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 }
 
-// diag(signs) H on each of the thread's rows, without the factor hadamard_norm (the caller folds it
-// into the amax and the quotient: a multiply an element fewer): the butterfly's strides within a
-// chunk (1, 2, 4), between a thread's chunks (the column bits above the lanes'), then across the
-// row's lanes, where the upper lane of a pair takes other - v and the lower v + other, as one FMA.
+// H on each of the thread's rows, whose signs load_chunk applied (diag(signs) H), without the factor
+// hadamard_norm (the caller folds it into the amax and the quotient: a multiply an element fewer):
+// the butterfly's strides within a chunk (1, 2, 4), between a thread's chunks (the column bits above
+// the lanes'), then across the row's lanes, where the upper lane of a pair takes other - v and the
+// lower v + other, as one FMA.
 template <int kHeadDim>
-__device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::Values& v, const QuantizeFp8Params& p,
-                                              int lane) {
+__device__ __forceinline__ void hadamard_rows(typename Layout<kHeadDim, true>::Values& v, int lane) {
   using L = Layout<kHeadDim, true>;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
 #pragma unroll
     for (int c = 0; c < L::kPieces; ++c) {
-      const int col = kChunk * (c * L::kLanes + lane);
-      const unsigned negate = static_cast<unsigned>(p.signs[col / 64] >> (col % 64)) & 0xffu;
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) if ((negate >> e) & 1u) v[i][c][e] = -v[i][c][e];
 #pragma unroll
       for (int s = 1; s < kChunk; s *= 2) {
 #pragma unroll
@@ -253,6 +255,16 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   }
 
   const float norm = hadamard_norm<kHeadDim>();  // kHadamard's, folded into the amax and the quotient
+  // kHadamard: the signs as load_chunk's masks, word w (columns 2w and 2w + 1) in sign_words[w]. A
+  // negation an element took two instructions (a predicate from the sign bits, a negating add).
+  __shared__ __align__(16) unsigned sign_words[kHadamard ? kHeadDim / 2 : 4];
+  if constexpr (kHadamard) {
+    static_assert(kHeadDim / 2 <= kThreads, "a thread a word");
+    const auto sign_bit = [&](int col) { return static_cast<unsigned>(p.signs[col / 64] >> (col % 64)) & 1u; };
+    const int w = threadIdx.x;
+    if (w < kHeadDim / 2) sign_words[w] = sign_bit(2 * w) << 15 | sign_bit(2 * w + 1) << 31;
+    __syncthreads();
+  }
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
     const auto [block, h, row0] = item_at(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
@@ -263,7 +275,10 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
 #pragma unroll
       for (int c = 0; c < L::kPieces; ++c) {
         if (row < p.seqlen && col0 + c * L::kPieceStep < p.headdim) {
-          load_chunk<T, kVectorLoads>(x + row * p.x_stride_s + c * L::kPieceStep, v[i][c]);
+          // chunk c's columns: kChunk (c kLanes + lane) on, words 4 (c kLanes + lane) on
+          const uint4 negate = kHadamard ? *reinterpret_cast<const uint4*>(sign_words + 4 * (c * L::kLanes + lane))
+                                         : make_uint4(0u, 0u, 0u, 0u);
+          load_chunk<T, kVectorLoads>(x + row * p.x_stride_s + c * L::kPieceStep, v[i][c], negate);
         } else {
 #pragma unroll
           for (int e = 0; e < kChunk; ++e) v[i][c][e] = 0.f;  // leaves the amax as it is; never stored
@@ -282,7 +297,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
         }
       }
     }
-    if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, p, lane);
+    if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, lane);
 
     const long long head = static_cast<long long>(b) * p.nheads + h;
     float descale;
