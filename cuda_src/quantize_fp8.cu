@@ -69,9 +69,8 @@ struct Layout {
 __host__ __device__ constexpr int quantize_threads(int head_dim) { return kBlockRows * head_dim / kElements; }
 
 // The kChunk elements of x at `at` as floats, each pair of 16-bit elements XORed first with its
-// word of `negate` (bit 15: the lower element's sign, bit 31: the upper's; the transform's signs, a
-// bitwise operation the conversion's own absorbs); kVectorLoads: one 16-byte load (the row is
-// 16-byte aligned), else element by element.
+// word of `negate` (bit 15 flips the lower element's sign, bit 31 the upper's: the transform's
+// signs); kVectorLoads: one 16-byte load (the row is 16-byte aligned), else element by element.
 template <typename T, bool kVectorLoads>
 __device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk], uint4 negate) {
   static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
