@@ -90,8 +90,6 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // (fwd_sm90.cu, kMaxChains).
 __device__ __forceinline__ float score_as(float x, float) { return x; }
 __device__ __forceinline__ int score_as(float x, int) { return __float_as_int(x); }
-__device__ __forceinline__ float max2(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ int max2(int a, int b) { return max(a, b); }
 __device__ __forceinline__ float max3(float a, float b, float c) { return fmaxf(a, fmaxf(b, c)); }
 __device__ __forceinline__ int max3(int a, int b, int c) { return __vimax3_s32(a, b, c); }  // VIMNMX3 on sm_90
 
@@ -110,11 +108,7 @@ __device__ __forceinline__ T quad_row_max_of(Score&& score, T lowest) {
   for (int width = kChains / 2; width > 0; width /= 2)
 #pragma unroll
     for (int k = 0; k < width; ++k) chain[k] = max2(chain[k], chain[k + width]);
-#pragma unroll
-  for (int offset = 1; offset < 4; offset *= 2) {
-    chain[0] = max2(chain[0], __shfl_xor_sync(0xffffffffu, chain[0], offset));
-  }
-  return chain[0];
+  return lanes_max<4>(chain[0]);
 }
 
 template <int kCols, int kChains = 1, typename Score>

@@ -8,18 +8,23 @@ namespace cuflash {
 // No <cmath> under NVRTC without the toolkit headers: infinity from its bits.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
-// The sum, or the maximum, of x over each aligned group of kLanes lanes (a power of two up to 32),
-// every lane of a group getting its group's: a butterfly of shuffles, nearest lanes first.
+// The larger of a and b: fmaxf for floats (a NaN loses to a number), max for ints.
+__device__ __forceinline__ float max2(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ int max2(int a, int b) { return max(a, b); }
+
+// The sum, or the maximum (of floats or ints), of x over each aligned group of kLanes lanes (a power
+// of two up to 32), every lane of a group getting its group's: a butterfly of shuffles, nearest
+// lanes first.
 template <int kLanes>
 __device__ __forceinline__ float lanes_sum(float x) {
 #pragma unroll
   for (int offset = 1; offset < kLanes; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
-template <int kLanes>
-__device__ __forceinline__ float lanes_max(float x) {
+template <int kLanes, typename T>
+__device__ __forceinline__ T lanes_max(T x) {
 #pragma unroll
-  for (int offset = 1; offset < kLanes; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  for (int offset = 1; offset < kLanes; offset *= 2) x = max2(x, __shfl_xor_sync(0xffffffffu, x, offset));
   return x;
 }
 
