@@ -2,7 +2,10 @@
 // fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 (at least
 // the smallest normal float) over each group of rows of a head: blocks of kBlockRows rows (descale
 // (batch, nheads, nblocks), nblocks = ceil(seqlen / kBlockRows), the last block possibly short) or
-// the whole head (descale (batch, nheads)). kHadamard first multiplies every row by
+// the whole head (descale (batch, nheads)). kBlockRows is reference.FP8_BLOCK (128: quantize_fp8's
+// and attention_fp8's block) or, for attention(..., fp8=True)'s k and v at head dim 128,
+// reference.FP8_WIDE_KEY_BLOCK (192: the FP8 forward's key block there, which 128-row blocks would
+// straddle). kHadamard first multiplies every row by
 // diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix, headdim == kHeadDim a power of
 // two): the semantics are reference.quantize_fp8's.
 //
@@ -26,7 +29,6 @@ namespace cuflash {
 
 constexpr float kE4m3Max = 448.f;
 constexpr float kSmallestNormal = 1.17549435e-38f;  // FLT_MIN, 2^-126
-constexpr int kBlockRows = 128;                     // reference.FP8_BLOCK
 
 // QuantizeFp8Params::pass
 constexpr int kBlockScales = 0;  // one launch: descale per block
@@ -66,7 +68,9 @@ struct Layout {
   static constexpr int kPieceStep = kChunk * kLanes;  // columns between a thread's chunks
   using Values = float[kRows][kPieces][kChunk];
 };
-__host__ __device__ constexpr int quantize_threads(int head_dim) { return kBlockRows * head_dim / kElements; }
+__host__ __device__ constexpr int quantize_threads(int block_rows, int head_dim) {
+  return block_rows * head_dim / kElements;
+}
 
 // The kChunk elements of x at `at` as floats, each pair of 16-bit elements XORed first with its
 // word of `negate` (bit 15 flips the lower element's sign, bit 31 the upper's: the transform's
@@ -146,6 +150,7 @@ __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("pref
 struct Item {
   int block, h, row0;
 };
+template <int kBlockRows>
 __device__ __forceinline__ Item item_at(int item, int nheads, int row_in_block) {
   const int block = item / nheads;
   return {block, item - block * nheads, block * kBlockRows + row_in_block};
@@ -228,13 +233,15 @@ __device__ __forceinline__ float descale_of(float amax) {
 
 // At most 64 registers a thread (1024 / threads CTAs an SM): four CTAs an SM at head dim 64, two at
 // 128, whose loads and conversions overlap; 65-73 registers (ptxas's own choice) left one at 128.
-template <typename T, int kHeadDim, bool kHadamard, bool kVectorLoads>
-__global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_threads(kHeadDim))
+// (192-row blocks at 128: 768 threads, one CTA.)
+template <typename T, int kBlockRows, int kHeadDim, bool kHadamard, bool kVectorLoads>
+__global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
+                                  1024 / quantize_threads(kBlockRows, kHeadDim))
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
                 "a power-of-two head dim of 64 to 256");
   using L = Layout<kHeadDim, kHadamard>;  // a row stays within a warp
-  constexpr int kThreads = quantize_threads(kHeadDim);
+  constexpr int kThreads = quantize_threads(kBlockRows, kHeadDim);
   constexpr int kRowStep = kThreads / L::kLanes;  // rows between a thread's rows
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % L::kLanes, col0 = lane * kChunk;
@@ -265,7 +272,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     __syncthreads();
   }
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
-    const auto [block, h, row0] = item_at(item, p.nheads, row_in_block);
+    const auto [block, h, row0] = item_at<kBlockRows>(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
     typename L::Values v;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
 #pragma unroll
@@ -285,7 +292,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
       }
     }
     if (j + 1 < kItemsPerCta && item + 1 < items && lane == 0) {  // a row's lines: lane 0's chunks span them
-      const Item next = item_at(item + 1, p.nheads, row_in_block);
+      const Item next = item_at<kBlockRows>(item + 1, p.nheads, row_in_block);
 #pragma unroll
       for (int i = 0; i < L::kRows; ++i) {
         const int row = next.row0 + i * kRowStep;
@@ -369,7 +376,7 @@ __device__ __forceinline__ void store_transposed_codes(const float (&v)[8][4], f
 }
 
 // V (batch, seqlen, nheads, headdim) to e4m3 V^T (batch, nheads, headdim, seqlen_pad) with one
-// descale per block of kBlockRows keys (reference.quantize_fp8 with block FP8_BLOCK, then V^T as
+// descale per block of kBlockRows keys (reference.quantize_fp8 with that block, then V^T as
 // transpose_v_fp8.cu writes it: seqlen_pad = x8_stride_s, seqlen rounded up to 16, the keys in
 // between zeros; within each group of 16 keys, position 4c + q holds key 2c + (q & 1) + 8 (q >> 1),
 // the order in which the FP8 forward packs P). attention(..., fp8=True) quantizes V straight into
@@ -379,11 +386,13 @@ __device__ __forceinline__ void store_transposed_codes(const float (&v)[8][4], f
 // thread 8 keys (slot's) of four neighbouring columns (an 8-byte load a key: the 8 lanes of a slot
 // read 64 contiguous bytes of each key), and stores two rows of its group's 16 keys (16 bytes),
 // next to those of the neighbouring group (slot ^ 2): whole 32-byte sectors.
-template <typename T, int kHeadDim, bool kVectorLoads>
-__global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_threads(kHeadDim))
+template <typename T, int kBlockRows, int kHeadDim, bool kVectorLoads>
+__global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
+                                  1024 / quantize_threads(kBlockRows, kHeadDim))
     quantize_fp8_vt(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256 && sizeof(T) == 2, "16-bit V, head dim 64 to 256");
-  constexpr int kThreads = quantize_threads(kHeadDim);
+  static_assert(kBlockRows % 32 == 0, "a warp's 32 keys lie in one block");
+  constexpr int kThreads = quantize_threads(kBlockRows, kHeadDim);
   constexpr int kWarps = kThreads / 32;
   constexpr int kKeys = 8;                        // a thread's keys: half a group of 16
   constexpr int kColumnWarps = kHeadDim / 32;     // warps across the head dim
@@ -401,7 +410,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
   __shared__ float warp_amax[2][kWarps];  // by item parity, as in quantize_fp8
 
   for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
-    const auto [block, h, key0] = item_at(item, p.nheads, first_key);
+    const auto [block, h, key0] = item_at<kBlockRows>(item, p.nheads, first_key);
     const T* at = x_batch + h * p.x_stride_h + key0 * p.x_stride_s;  // key k's, stepped (not multiplied)
     float v[kKeys][4];
 #pragma unroll
@@ -424,7 +433,7 @@ __global__ void __launch_bounds__(quantize_threads(kHeadDim), 1024 / quantize_th
     }
     // A slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
     if (j + 1 < kItemsPerCta && item + 1 < items) {
-      const Item next = item_at(item + 1, p.nheads, first_key);
+      const Item next = item_at<kBlockRows>(item + 1, p.nheads, first_key);
       const int key = next.row0 + lane % 8;
       if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);
     }

@@ -75,6 +75,9 @@ __all__ = [
     "varlen_backward",
     "e4m3_spacing",
     "FP8_BLOCK",
+    "FP8_WIDE_KEY_BLOCK",
+    "FP8_WIDE_KEYS_FROM",
+    "fp8_key_block",
     "fp8_blocks",
     "hadamard_signs",
     "hadamard_matrix",
@@ -521,6 +524,19 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, caus
 E4M3_MAX = 448.0
 FP8_BLOCK = 128  # rows per block scale: the one block size quantize_fp8 and attention_fp8 take (the GPU
 # FP8 attention kernel applies the K and V descales once per block of 128 keys)
+# attention(q, k, v, fp8=True)'s k and v scales at head dims 65-128 from FP8_WIDE_KEYS_FROM keys: the
+# GPU kernel's key block there (192 keys; 128-row scales would straddle its blocks). End to end on an
+# H200 (session 45, benchmarks/NOTES-fp8.md) against 128-row scales on 128-key blocks: 1.04x at 4k
+# keys, 1.10x at 8k, 1.13x at 16k (causal 1.00x, 1.05x, 1.09x), but 0.90-0.94x up to 1k, where the
+# quantizers' larger blocks cost more than the wider blocks save.
+FP8_WIDE_KEY_BLOCK = 192
+FP8_WIDE_KEYS_FROM = 4096
+
+
+def fp8_key_block(headdim: int, seqlen_k: int) -> int:
+    """Rows per scale of k and v in attention(q, k, v, fp8=True) (attention_quantized): FP8_WIDE_KEY_BLOCK
+    at head dims 65 to 128 with at least FP8_WIDE_KEYS_FROM keys, else FP8_BLOCK (q always FP8_BLOCK)."""
+    return FP8_WIDE_KEY_BLOCK if 64 < headdim <= 128 and seqlen_k >= FP8_WIDE_KEYS_FROM else FP8_BLOCK
 
 
 def _e4m3():
@@ -551,34 +567,34 @@ def hadamard_matrix(headdim: int, seed: int) -> np.ndarray:
     return hadamard_signs(headdim, seed)[:, None] * h / math.sqrt(headdim)
 
 
-def fp8_blocks(seqlen: int) -> int:
-    """How many block scales a head of `seqlen` rows has: ceil(seqlen / FP8_BLOCK) (the last block
-    may be short)."""
-    return -(-seqlen // FP8_BLOCK)
+def fp8_blocks(seqlen: int, block: int = FP8_BLOCK) -> int:
+    """How many block scales a head of `seqlen` rows has: ceil(seqlen / block) (the last block may
+    be short)."""
+    return -(-seqlen // block)
 
 
-def _row_descale(descale, seqlen: int) -> np.ndarray:
-    """A descale of shape (B, H) (one per head) or (B, H, fp8_blocks(S)) (one per FP8_BLOCK rows:
-    row r takes block r // FP8_BLOCK) as a factor broadcasting over (B, S, H, D)."""
+def _row_descale(descale, seqlen: int, block: int) -> np.ndarray:
+    """A descale of shape (B, H) (one per head) or (B, H, fp8_blocks(S, block)) (one per `block`
+    rows: row r takes block r // block) as a factor broadcasting over (B, S, H, D)."""
     d = np.asarray(descale, np.float64)
     if d.ndim == 2:
         return d[:, None, :, None]
-    if d.ndim != 3 or d.shape[2] != fp8_blocks(seqlen):
-        raise ValueError(f"a descale has shape (B, H) or (B, H, {fp8_blocks(seqlen)}) (one scale per {FP8_BLOCK} of "
-                         f"{seqlen} rows); got {d.shape}")
-    rows = np.repeat(d, FP8_BLOCK, axis=2)[:, :, :seqlen]  # (B, H, S)
+    if d.ndim != 3 or d.shape[2] != fp8_blocks(seqlen, block):
+        raise ValueError(f"a descale has shape (B, H) or (B, H, {fp8_blocks(seqlen, block)}) (one scale per {block} "
+                         f"of {seqlen} rows); got {d.shape}")
+    rows = np.repeat(d, block, axis=2)[:, :, :seqlen]  # (B, H, S)
     return np.swapaxes(rows, 1, 2)[..., None]
 
 
 def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     """x (B, S, H, D) -> (x8 float8_e4m3fn (B, S, H, D), descale float32): descale (B, H) with one
-    scale per head (block None), or (B, H, ceil(S / FP8_BLOCK)) with one scale per block of
-    FP8_BLOCK rows (block FP8_BLOCK, the only block size; the last block may be short). An
-    all-zero head or block gets descale 1; the others amax / 448, but at least the smallest normal
-    float32 (2^-126: a GPU flushes smaller ones to zero)."""
-    if block is not None and block != FP8_BLOCK:
-        raise ValueError(f"block must be None or {FP8_BLOCK} (attention_fp8 takes scales per {FP8_BLOCK} rows); "
-                         f"got {block!r}")
+    scale per head (block None), or (B, H, ceil(S / block)) with one scale per block of `block`
+    rows (FP8_BLOCK, the public quantize_fp8's one block size, or FP8_WIDE_KEY_BLOCK,
+    attention_quantized's k and v at some head dims; the last block may be short). An all-zero head
+    or block gets descale 1; the others amax / 448, but at least the smallest normal float32
+    (2^-126: a GPU flushes smaller ones to zero)."""
+    if block not in (None, FP8_BLOCK, FP8_WIDE_KEY_BLOCK):
+        raise ValueError(f"block must be None, {FP8_BLOCK} or {FP8_WIDE_KEY_BLOCK}; got {block!r}")
     x = _cast(x, np.float64)
     if hadamard_seed is not None:
         x = x @ hadamard_matrix(x.shape[-1], hadamard_seed)
@@ -587,21 +603,22 @@ def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     if block is None:
         amax = np.fmax.reduce(np.abs(x), axis=(1, 3), initial=0.0)  # (B, H)
     else:
-        blocks = fp8_blocks(s)
-        padded = np.zeros((b, blocks * FP8_BLOCK, h, d))  # zero rows leave amax as it is
+        blocks = fp8_blocks(s, block)
+        padded = np.zeros((b, blocks * block, h, d))  # zero rows leave amax as it is
         padded[:, :s] = x
-        amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, FP8_BLOCK, h, d)), axis=(2, 4), initial=0.0)
+        amax = np.fmax.reduce(np.abs(padded.reshape(b, blocks, block, h, d)), axis=(2, 4), initial=0.0)
         amax = np.swapaxes(amax, 1, 2)  # (B, H, blocks)
     descale = np.where(amax > 0, np.maximum(amax / E4M3_MAX, np.finfo(np.float32).tiny), 1.0).astype(np.float32)
-    scaled = np.clip(x / _row_descale(descale, s), -E4M3_MAX, E4M3_MAX)  # e4m3fn has no inf: never overflow
+    # e4m3fn has no inf: never overflow (a per-head descale takes no block)
+    scaled = np.clip(x / _row_descale(descale, s, block or FP8_BLOCK), -E4M3_MAX, E4M3_MAX)
     return scaled.astype(_e4m3()), descale
 
 
-def dequantize_fp8(x8, descale) -> np.ndarray:
-    """x8 * descale in float64: descale (B, H), or (B, H, ceil(S / FP8_BLOCK)) expanded to rows (row r
-    takes block r // FP8_BLOCK), as quantize_fp8 returns it."""
+def dequantize_fp8(x8, descale, block: int = FP8_BLOCK) -> np.ndarray:
+    """x8 * descale in float64: descale (B, H), or (B, H, ceil(S / block)) expanded to rows (row r
+    takes block r // block), as quantize_fp8 returns it."""
     x8 = np.asarray(x8)
-    return x8.astype(np.float64) * _row_descale(descale, x8.shape[1])
+    return x8.astype(np.float64) * _row_descale(descale, x8.shape[1], block)
 
 
 def forward_p_e4m3(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), exp_offset: int = 8):
@@ -625,9 +642,11 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
 
 def attention_quantized(q, k, v, hadamard_seed: int | None = None, *, causal=False, softmax_scale=None,
                         window=(-1, -1)):
-    """attention(q, k, v, fp8=True): q, k and v quantized with one scale per FP8_BLOCK rows (q and k
-    after the Hadamard transform of `hadamard_seed`, None for none: it cancels in q k^T), then
-    `attention_fp8`: (out, lse) in float64."""
-    quantized = [quantize_fp8(x, FP8_BLOCK, seed) for x, seed in ((q, hadamard_seed), (k, hadamard_seed), (v, None))]
-    return attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), causal=causal,
-                         softmax_scale=softmax_scale, window=window)
+    """attention(q, k, v, fp8=True): q quantized with one scale per FP8_BLOCK rows, k and v per
+    fp8_key_block(headdim, seqlen_k) rows (q and k after the Hadamard transform of `hadamard_seed`, None for
+    none: it cancels in q k^T), then attention on the dequantized inputs, as `attention_fp8`: (out,
+    lse) in float64."""
+    key_block = fp8_key_block(np.shape(q)[-1], np.shape(k)[1])
+    dequantized = [dequantize_fp8(*quantize_fp8(x, block, seed), block) for x, block, seed in
+                   ((q, FP8_BLOCK, hadamard_seed), (k, key_block, hadamard_seed), (v, key_block, None))]
+    return forward(*dequantized, causal=causal, softmax_scale=softmax_scale, window=window)

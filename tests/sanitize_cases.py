@@ -136,7 +136,9 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         for dtype, shape_q, shape_k, hadamard, offset in (("float16", (1, 600, 2, 256), (1, 700, 1, 256), True, 0),
                                                           ("bfloat16", (2, 300, 4, 128), (2, 333, 2, 128), False, 1),
                                                           ("float16", (1, 130, 2, 64), (1, 1, 2, 64), True, 0),
-                                                          ("bfloat16", (1, 77, 2, 96), (1, 140, 1, 96), False, 1)):
+                                                          ("bfloat16", (1, 77, 2, 96), (1, 140, 1, 96), False, 1),
+                                                          # from 4096 keys at 128: k, v per 192 rows, 192-key row
+                                                          ("bfloat16", (1, 200, 2, 128), (1, 4200, 1, 128), True, 1)):
             q, k, v = randn(shape_q, dtype), randn(shape_k, dtype), randn(shape_k, dtype, offset)
             out = cuflash.attention(q, k, v, fp8=True, hadamard=hadamard, causal=True)
             print("fwd_quantized_sm90 CuPy fp8=True", dtype, q.shape, k.shape, hadamard, offset,

@@ -118,8 +118,8 @@ def test_quantize_maps_each_scale_group_to_448_and_round_trips(block):
 
 
 def test_dequantize_expands_each_block_scale_to_its_rows():
-    """Row r of a head takes descale[..., r // 128], the last block short (300 rows: 128, 128, 44);
-    a descale of another length (the per-row layout of old) is refused."""
+    """Row r of a head takes descale[..., r // block], the last block short (300 rows: 128, 128, 44
+    or 192, 108); a descale of another length (the per-row layout of old) is refused."""
     x8 = np.ones((1, 300, 2, 8), np.float32).astype(E4M3)
     descale = np.array([[[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]], np.float32)  # (1, 2, 3)
     back = reference.dequantize_fp8(x8, descale)
@@ -131,8 +131,13 @@ def test_dequantize_expands_each_block_scale_to_its_rows():
                           np.broadcast_to(descale[0, :, 0][None, None, :, None], (1, 5, 2, 8)))
     with pytest.raises(ValueError, match=r"\(B, H, 3\) \(one scale per 128 of 300 rows\)"):
         reference.dequantize_fp8(x8, np.ones((1, 2, 300), np.float32))
-    with pytest.raises(ValueError, match="block must be None or 128"):
+    with pytest.raises(ValueError, match="block must be None, 128 or 192"):
         reference.quantize_fp8(np.ones((1, 4, 1, 8)), block=64)
+    # Blocks of 192 rows (attention(fp8=True)'s k and v at head dim 128): 300 rows are 192 and 108.
+    back = reference.dequantize_fp8(x8, descale[:, :, :2], 192)
+    assert (back[0, :192] == descale[0, :, 0, None]).all() and (back[0, 192:] == descale[0, :, 1, None]).all()
+    with pytest.raises(ValueError, match=r"\(B, H, 2\) \(one scale per 192 of 300 rows\)"):
+        reference.dequantize_fp8(x8, descale, 192)
 
 
 def test_attention_fp8_is_attention_of_the_dequantized_inputs():
@@ -221,18 +226,30 @@ def test_accuracy_study_outliers():
     assert _rmse(pa, want) / _rmse(pc, want) > 1.5
 
 
-def test_attention_with_fp8_true_quantizes_on_the_fly():
+@pytest.mark.parametrize("headdim, seqlen_k", [(64, 4100), (128, 200), (128, 4100), (96, 4100), (256, 4100)])
+def test_attention_with_fp8_true_quantizes_on_the_fly(headdim, seqlen_k):
+    """attention(fp8=True): q quantized per 128 rows, k and v per reference.fp8_key_block rows (192
+    at head dims 65-128 from 4096 keys, where 4100 keys make blocks of 192 ending 4031-4099: not
+    attention_fp8's of 128 ending 4095-4099), then attention on the dequantized values."""
     rng = np.random.default_rng(4)
-    q, k, v = (_normal(rng, (1, 200, h, 128)).astype(ml_dtypes.bfloat16) for h in (4, 2, 2))
+    q = _normal(rng, (1, 200, 4, headdim)).astype(ml_dtypes.bfloat16)
+    k, v = (_normal(rng, (1, seqlen_k, 2, headdim)).astype(ml_dtypes.bfloat16) for _ in range(2))
     exact = reference.forward(q, k, v, causal=True)[0]
-    for hadamard in (False, True):
+    key_block = reference.fp8_key_block(headdim, seqlen_k)
+    assert key_block == (192 if headdim in (96, 128) and seqlen_k >= 4096 else 128)
+    for hadamard in (False, True) if headdim != 96 else (False,):
         out, lse = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=hadamard, return_lse=True)
-        q8, qd = cuflash.quantize_fp8(q, block=128, hadamard=hadamard)
-        k8, kd = cuflash.quantize_fp8(k, block=128, hadamard=hadamard)
-        v8, vd = cuflash.quantize_fp8(v, block=128)
-        same = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, out_dtype="bfloat16")
-        assert out.dtype == ml_dtypes.bfloat16 and np.array_equal(out, same)
+        seed = 0 if hadamard else None
+        dequantized = [reference.dequantize_fp8(*reference.quantize_fp8(x, block, s), block) for x, block, s in
+                       ((q, 128, seed), (k, key_block, seed), (v, key_block, None))]
+        want, want_lse = reference.forward(*dequantized, causal=True)
+        assert out.dtype == ml_dtypes.bfloat16 and np.array_equal(out, want.astype(ml_dtypes.bfloat16))
+        assert np.allclose(lse, want_lse, rtol=0, atol=1e-6)
         assert 0 < _rmse(out, exact) < 0.05
+        (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=128, hadamard=h)
+                                        for x, h in ((q, hadamard), (k, hadamard), (v, False)))
+        per_128 = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, out_dtype="bfloat16")
+        assert np.array_equal(out, per_128) == (key_block == 128)
 
 
 def test_fp8_arguments_are_checked_by_name():
@@ -561,9 +578,19 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
         launches.clear()
         quantize.prepare(variant, function, p, arrays, arrays)(arrays, arrays, None)
         assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
-        assert all(block == (quantize.threads(128),) for _, block, _ in launches)
+        assert all(block == (quantize.threads(128, 128),) == (512,) for _, block, _ in launches)
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
                    and params["x"] == 1 << 20 and params["x8"] == 2 << 20 for _, _, params in launches)
+    # attention(fp8=True)'s k and v at head dim 128: blocks of 192 rows (2 of 300), 768 threads a CTA
+    wide = dataclasses.replace(problem, fp8_block=192)
+    wide_variant = quantize.select(wide, {"x": rows(wide)})
+    assert wide_variant.block_rows == 192 and wide_variant in quantize.VARIANTS
+    launches.clear()
+    quantize.prepare(wide_variant, function, wide, arrays, arrays)(arrays, arrays, None)
+    assert [(int(params["pass"]), grid, block) for grid, block, params in launches] == [
+        (quantize.BLOCK_SCALES, (-(-2 * 3 // quantize.ITEMS_PER_CTA), 2), (768,))]
+    with pytest.raises(ValueError, match=r"blocks of 192 rows at head dim 64 are not among the compiled"):
+        quantize.select(dataclasses.replace(wide, headdim=64), {"x": rows(dataclasses.replace(wide, headdim=64))})
     with pytest.raises(ValueError, match=r"quantize_fp8 launches a row of CTAs .*batch 65536 must be at most 65535"):
         quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
     with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483643"):
@@ -573,15 +600,17 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
 def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():
     """attention(fp8=True)'s op on Hopper (fwd_quantized_sm90): the FP8 forward's own row for the
     problem, pre-transposed (V^T comes from the quantizer), with the tensor-core row sums at head dim
-    64 without the LSE; its workspace (e4m3 q, k, V^T and per-128-row descales) from the problem
-    alone; empty sequences, head dims that are not multiples of 16 and forced wide rows refused."""
+    64 without the LSE; at head dim 128 from 4096 keys the 192-key row, k and v quantized per 192
+    rows; its
+    workspace (e4m3 q, k, V^T and the descales) from the problem alone; empty sequences, head dims
+    that are not multiples of 16 and forced rows of another key block refused."""
     from cuflash import kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import fwd_sm90, quantized_sm90
     from cuflash.problem import Problem
 
     problem = Problem(op="attention_quantized_forward", framework="torch", device=Device("cuda", 0),
-                      dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=128,
+                      dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=256,
                       softmax_scale=0.1, out_dtype="bfloat16", fp8_block=128, hadamard_seed=0)
 
     def inputs(p):
@@ -596,9 +625,9 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         fwd_sm90.fp8_tiles(fp8)[:4] and not fwd_sm90.fp8_tiles(fp8)[5]  # the short row, flipped
     assert variant in quantized_sm90.variants_for((9, 0)) and variant.out_dtype == "bfloat16"
     assert kernels.workspace(problem) == {
-        "q8": ((2, 300, 4, 128), "float8_e4m3fn"), "k8": ((2, 1000, 2, 128), "float8_e4m3fn"),
+        "q8": ((2, 300, 4, 256), "float8_e4m3fn"), "k8": ((2, 1000, 2, 256), "float8_e4m3fn"),
         "q_descale": ((2, 4, 3), "float32"), "k_descale": ((2, 2, 8), "float32"), "v_descale": ((2, 2, 8), "float32"),
-        "v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
+        "v_transposed": ((2, 2, 256, 1008), "float8_e4m3fn")}
     no_lse_64 = dataclasses.replace(problem, headdim=64, with_lse=False)
     assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).tensor_row_sums
     long_64 = dataclasses.replace(no_lse_64, seqlen_q=5000)  # its pre-transposed row: FP8_EXP_ON_FMA's
@@ -606,19 +635,38 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         (64, fwd_sm90.FP8_TILES[64][1][1])][0]
     flipped_64 = fwd_sm90.pretransposed(fwd_sm90.FP8_TILES[64][0][1])  # the in-kernel row, flipped
     assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[(64, flipped_64)][0]
-    long_128 = dataclasses.replace(problem, seqlen_q=5000)  # the pre-transposed row of FP8_TILES, 128 keys
-    assert quantized_sm90.select(long_128, inputs(long_128)).block_n == 128
+    # Head dim 128 (and 72-112, compiled as 128): below 4096 keys the 128-key row, pre-transposed;
+    # from there k and v per 192 rows and the 192-key row.
+    short_128 = dataclasses.replace(problem, headdim=128, seqlen_q=5000)
+    variant = quantized_sm90.select(short_128, inputs(short_128))
+    assert variant.block_n == 128 and variant.v_pretransposed and kernels.workspace(short_128)["k_descale"] == \
+        ((2, 2, 8), "float32")
+    for headdim, seqlen_q in ((128, 300), (128, 5000), (96, 300)):
+        wide = dataclasses.replace(problem, headdim=headdim, seqlen_q=seqlen_q, seqlen_k=4100, with_lse=False,
+                                   hadamard_seed=0 if headdim == 128 else None)
+        variant = quantized_sm90.select(wide, inputs(wide))
+        assert (variant.consumers, variant.block_n, variant.stages, variant.sync, variant.v_pretransposed) == \
+            fwd_sm90.FP8_PER_HEAD_TILES[128][:4] + (True,) and variant.tensor_row_sums
+        assert variant.exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_PER_HEAD_TILES[128])][0]
+        assert variant in fwd_sm90.fp8_variants_for((9, 0))
+        assert {name: kernels.workspace(wide)[name] for name in ("q_descale", "k_descale", "v_descale")} == {
+            "q_descale": ((2, 4, -(-seqlen_q // 128)), "float32"), "k_descale": ((2, 2, 22), "float32"),
+            "v_descale": ((2, 2, 22), "float32")}  # 4100 keys: 21 blocks of 192 and one of 68
     for bad, match in ((dataclasses.replace(problem, seqlen_k=0), "cannot describe an empty"),
                        (dataclasses.replace(problem, headdim=40, hadamard_seed=None), "multiples of 16")):
         with pytest.raises(ValueError, match=match):
             quantized_sm90.select(bad, inputs(bad))
     saved = fwd_sm90.fp8_tiles_override
     try:
-        fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_PER_HEAD_TILES[128]}
-        with pytest.raises(ValueError, match="a forced row of 192 keys"):
+        fwd_sm90.fp8_tiles_override = {256: fwd_sm90.FP8_PER_HEAD_TILES[128]}
+        with pytest.raises(ValueError, match="per 128 rows at head dim 256: a forced row of 192 keys"):
             quantized_sm90.select(problem, inputs(problem))
-        fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_TILES[128][0][1]}  # in the kernel: v8 in the workspace
+        wide = dataclasses.replace(problem, headdim=128, seqlen_k=4096)
+        fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_TILES[128][1][1]}
+        with pytest.raises(ValueError, match="per 192 rows at head dim 128: a forced row of 128 keys"):
+            quantized_sm90.select(wide, inputs(wide))
+        fwd_sm90.fp8_tiles_override = {256: fwd_sm90.FP8_TILES[256][0][1]}  # in the kernel: v8 in the workspace
         assert not quantized_sm90.select(problem, inputs(problem)).v_pretransposed
-        assert kernels.workspace(problem)["v8"] == ((2, 1000, 2, 128), "float8_e4m3fn")
+        assert kernels.workspace(problem)["v8"] == ((2, 1000, 2, 256), "float8_e4m3fn")
     finally:
         fwd_sm90.fp8_tiles_override = saved

@@ -36,13 +36,28 @@ def _hopper():
 hopper_only = pytest.mark.skipif(not _hopper(), reason="fwd_fp8_sm90 needs compute capability 9.0")
 
 
-def _dequantize(x8, descale):
-    """x8 * descale in float64 on the GPU, descale per (batch, head) or per 128 rows."""
+def _dequantize(x8, descale, block: int = reference.FP8_BLOCK):
+    """x8 * descale in float64 on the GPU, descale per (batch, head) or per `block` rows."""
     x = x8.to(torch.float64)
     if descale.dim() == 2:
         return x * descale.double()[:, None, :, None]
-    rows = torch.arange(x.shape[1], device=x.device) // reference.FP8_BLOCK
+    rows = torch.arange(x.shape[1], device=x.device) // block
     return x * descale.double()[:, :, rows].transpose(1, 2)[..., None]
+
+
+def _quantize(x, block: int, hadamard: bool):
+    """quantize_fp8's GPU kernel with one scale per `block` rows, seed 0: the public function's for
+    128, the quantize_fp8 op itself for reference.FP8_WIDE_KEY_BLOCK (attention(fp8=True)'s k and v
+    at head dim 128, a block the public function does not take)."""
+    if block == reference.FP8_BLOCK:
+        return cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=0)
+    batch, seqlen, nheads, headdim = x.shape
+    problem = Problem(op="quantize_fp8", framework="torch", device=arrays.Device("cuda", x.device.index or 0),
+                      dtype=str(x.dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen, seqlen_k=seqlen,
+                      nheads=nheads, nheads_kv=nheads, headdim=headdim, fp8_block=block,
+                      hadamard_seed=0 if hadamard else None)
+    descale_shape = (batch, nheads, reference.fp8_blocks(seqlen, block))
+    return dispatch.run(problem, dict(x=x), dict(x8=(x.shape, "float8_e4m3fn"), descale=(descale_shape, "float32")))
 
 
 def _plain_fp8(q, k, v, kw, out_dtype):
@@ -77,10 +92,12 @@ def _problem(q8, k8, kw, out_dtype, with_lse=True, **fields):
                              out_dtype=str(out_dtype).removeprefix("torch."), with_lse=with_lse), **fields})
 
 
-def _check(out, lse, quantized, kw):
+def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK):
     """out (and lse, unless None: a call without it) against float64 attention of the dequantized
-    inputs: out within twice the error of the plain implementation above, lse within its bound."""
-    q, k, v = (_dequantize(x8, d) for x8, d in quantized)
+    inputs (k's and v's block scales per `key_block` rows): out within twice the error of the plain
+    implementation above, lse within its bound."""
+    blocks = (reference.FP8_BLOCK, key_block, key_block)
+    q, k, v = (_dequantize(x8, d, block) for (x8, d), block in zip(quantized, blocks))
     ref_out, ref_lse = gpu_attention.attention(q, k, v, compute_dtype=torch.float64, **kw, softcap=0.0)
     plain = _plain_fp8(q, k, v, kw, out.dtype)
     assert not torch.isnan(out).any(), "NaN (or an unwritten, poisoned element) in out"
@@ -112,28 +129,25 @@ def _check(out, lse, quantized, kw):
     return err, plain_err
 
 
-def fp8_rows(compiled: int, per_head: bool) -> list:
-    """The tile rows the FP8 kernel may take at this compiled head dim (fwd_sm90.fp8_tile_rows); with
-    per-128-row k and v descales, only those of 128-key blocks."""
-    return [tiles for tiles in fwd_sm90.fp8_tile_rows(compiled) if per_head or tiles[1] == 128]
+def fp8_rows(compiled: int, block: int | None) -> list:
+    """The tile rows the FP8 kernel may take at this compiled head dim (fwd_sm90.fp8_tile_rows) with k
+    and v descales per head (block None), or per `block` rows: only those of `block`-key blocks."""
+    return [tiles for tiles in fwd_sm90.fp8_tile_rows(compiled) if block is None or tiles[1] == block]
 
 
 # (head dim, row index in fp8_rows, block): every row the kernel may take, with per-128-row (block
 # 128) and per-head (None) descales.
 EVERY_ROW = [(hd, i, block) for hd in fwd_sm90.FP8_HEADDIMS for block in (128, None)
-             for i in range(len(fp8_rows(hd, block is None)))]
-
-# Per head dim, the index in fp8_rows(..., per_head=False) of the pre-transposed 128-key row.
-PRETRANSPOSED_ROWS = {hd: next(i for i, row in enumerate(fp8_rows(hd, False)) if row[5]) for hd in fwd_sm90.FP8_HEADDIMS}
+             for i in range(len(fp8_rows(hd, block)))]
 
 
 @contextlib.contextmanager
-def fp8_row(headdim: int, row: int, per_head: bool):
+def fp8_row(headdim: int, row: int, block: int | None):
     """Run the FP8 kernel with row `row` (modulo their number) of the rows it may take at this head
-    dim (fp8_rows: V transposed in the kernel, or beforehand into a workspace), whatever its seqlen_q
-    bound."""
+    dim with k and v descales per head (block None) or per `block` rows (fp8_rows: V transposed in
+    the kernel, or beforehand into a workspace), whatever its seqlen_q bound."""
     compiled = next(h for h in fwd_sm90.FP8_HEADDIMS if h >= headdim)
-    rows = fp8_rows(compiled, per_head)
+    rows = fp8_rows(compiled, block)
     saved = fwd_sm90.fp8_tiles_override
     fwd_sm90.fp8_tiles_override = {compiled: rows[row % len(rows)]}
     dispatch.clear_plans()
@@ -175,7 +189,7 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     problem = _problem(q8, k8, kw, out_dtype, with_lse)  # (without: P's row sums may come from the tensor cores)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
-    with fp8_row(headdim, row, block is None):  # which of the head dim's rows (row modulo their number)
+    with fp8_row(headdim, row, block):  # which of the head dim's rows (row modulo their number)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, out_dtype)
         _check(out, lse, quantized, kw)
         again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, out_dtype)
@@ -233,9 +247,9 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
     problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    with fp8_row(headdim, row, block is None):
+    with fp8_row(headdim, row, block):
         _, variant = dispatch.plan(problem, {name: arrays.device_array(x) for name, x in inputs.items()})
-        tiles = fp8_rows(headdim, block is None)[row]
+        tiles = fp8_rows(headdim, block)[row]
         assert variant.tensor_row_sums == (not with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles))
         every = fwd_sm90.FP8_EXP_ON_FMA.get((headdim, tiles), (0, 0))[causal]
         assert variant.exp_on_fma == (0 if with_lse else every)
@@ -273,7 +287,7 @@ def test_fp8_long_rows_match_reference(headdim, block, with_lse):
 @hopper_only
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("weight", [1.875, 3.5])
-@pytest.mark.parametrize("row", range(len(fp8_rows(128, True))))
+@pytest.mark.parametrize("row", range(len(fp8_rows(128, None))))
 def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, with_lse):
     """Two keys that matter: key A in the last key block (the kernel's first), key B in the first,
     whose score is log2(weight) higher (every other key ~50 log2 units lower), every input exact in
@@ -294,7 +308,7 @@ def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, 
     kw = dict(causal=False, window=(-1, -1), softmax_scale=math.log(weight) / 8.0)
     problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
     inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    with fp8_row(headdim, row, True):
+    with fp8_row(headdim, row, None):
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, seqlen_q) if with_lse else None,
                                               torch.bfloat16)
     ref_out, ref_lse = gpu_attention.attention(*(_dequantize(x8, d) for x8, d in quantized), compute_dtype=torch.float64,
@@ -318,7 +332,7 @@ def test_fp8_blocks_and_rows_of_negative_scores(headdim, row, block, with_lse, c
     (q8, qd), (k8, kd), (v8, vd) = quantized
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=4.0)
     problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
-    with fp8_row(headdim, row, block is None):
+    with fp8_row(headdim, row, block):
         out, lse = gpu_attention.run_poisoned(problem, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd),
                                               (1, 200, 2, headdim), (1, 2, 200) if with_lse else None, torch.bfloat16)
     _check(out, lse, quantized, kw)
@@ -416,12 +430,34 @@ def _v_transposed(v8):
 def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group,
                                                                   kw, hadamard, dtype, row, with_lse, misaligned, seed):
     """attention(fp8=True) as one op (fwd_quantized_sm90) on its own row (row None: one of FP8_TILES'
-    rows, pre-transposed) or any of the 128-key rows fwd_fp8_sm90 may take: its workspace
-    holds exactly quantize_fp8's codes and descales (per 128 rows, seed 0), V's as V^T, padding keys
-    zero; its out (and lse) pass _check against them; a second run gives the same bits. Rows of v
-    (and q) 2 bytes off a 16-byte boundary take the element loads."""
+    rows, pre-transposed; from 4096 keys at head dim 128 the 192-key row, the next test's) or any of
+    the rows of k's and v's scale block fwd_fp8_sm90 may take: its workspace holds exactly
+    quantize_fp8's codes and descales (q per 128 rows, k and v per reference.fp8_key_block rows,
+    seed 0), V's as V^T, padding keys zero; its out (and lse) pass _check against them; a second
+    run gives the same bits. Rows of v (and q) 2 bytes off a 16-byte boundary take the element
+    loads."""
+    assume(batch * nheads_kv * group * seqlen_q * seqlen_k <= MAX_SCORES)
+    _fp8_true_case(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, hadamard, dtype, row, with_lse,
+                   misaligned, seed)
+
+
+@hopper_only
+@pytest.mark.parametrize("headdim, seqlen_k, causal, with_lse, row", [
+    (128, 4096, False, False, None), (128, 4300, True, True, None), (128, 4300, False, True, 0),
+    (96, 4200, True, False, None), (128, 4095, False, False, None), (64, 4200, True, False, None)])
+def test_fp8_true_from_4096_keys_quantizes_k_and_v_per_192_rows(headdim, seqlen_k, causal, with_lse, row):
+    """As test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference, beyond its lengths: from
+    reference.FP8_WIDE_KEYS_FROM keys at head dims 65-128, k and v take one scale per 192 rows on the
+    192-key row (key tails short of a block; 4095 keys and head dim 64 stay at 128)."""
+    kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
+    _fp8_true_case(headdim, 1, 300, seqlen_k, 2, 2, kw, True, torch.bfloat16, row, with_lse, headdim == 96, 11)
+
+
+def _fp8_true_case(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, hadamard, dtype, row, with_lse,
+                   misaligned, seed):
+    """One case of attention(fp8=True) as one op: its workspace against quantize_fp8's codes and
+    descales, its out (and lse) against the reference (_check), a second run's bits."""
     nheads = nheads_kv * group
-    assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
     hadamard = hadamard and headdim in (64, 128, 256)
     g = torch.Generator(device="cuda").manual_seed(seed)
     pad = 1 if misaligned else 0
@@ -435,11 +471,12 @@ def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch
     inputs = dict(q=q, k=k, v=v)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
     workspace = {}
-    with contextlib.nullcontext() if row is None else fp8_row(headdim, row, per_head=False):
+    key_block = reference.fp8_key_block(headdim, seqlen_k)
+    with contextlib.nullcontext() if row is None else fp8_row(headdim, row, key_block):
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype, workspace)
         again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype)
-    quantized = (cuflash.quantize_fp8(q, block=128, hadamard=hadamard, seed=0),
-                 cuflash.quantize_fp8(k, block=128, hadamard=hadamard, seed=0), cuflash.quantize_fp8(v, block=128))
+    quantized = (_quantize(q, reference.FP8_BLOCK, hadamard), _quantize(k, key_block, hadamard),
+                 _quantize(v, key_block, False))
     for name, (x8, descale) in zip("qk", quantized):
         assert torch.equal(workspace[f"{name}8"].view(torch.uint8), x8.view(torch.uint8)), f"{name}'s codes"
         assert torch.equal(workspace[f"{name}_descale"], descale), f"{name}'s descales"
@@ -448,7 +485,7 @@ def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch
         assert torch.equal(workspace["v_transposed"].view(torch.uint8), _v_transposed(quantized[2][0])), "V^T"
     else:
         assert torch.equal(workspace["v8"].view(torch.uint8), quantized[2][0].view(torch.uint8)), "v's codes"
-    _check(out, lse, quantized, kw)
+    _check(out, lse, quantized, kw, key_block)
     assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
         "results moved between identical runs: a race"
 
@@ -492,12 +529,12 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
         out, lse = cuflash.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), causal=True,
                                          return_lse=True)
         _check(out, lse, quantized, kw)
-        (q8, q_descale), (k8, k_descale) = (cuflash.quantize_fp8(x, block=128, hadamard=True) for x in (q, k))
-        v8, v_descale = quantized[2]
-        # (the row attention(fp8=True) takes: V^T written by its quantizer)
-        with fp8_row(headdim, PRETRANSPOSED_ROWS[headdim], per_head=False):
-            assert torch.equal(cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True),
-                               cuflash.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True))
+        # (k and v per 192 rows at head dim 128, which attention_fp8 does not take: checked as
+        # test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference checks them)
+        key_block = reference.fp8_key_block(headdim, k.shape[1])
+        quantized = (_quantize(q, reference.FP8_BLOCK, True), _quantize(k, key_block, True),
+                     _quantize(v, key_block, False))
+        _check(cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=True), None, quantized, kw, key_block)
 
 
 @hopper_only

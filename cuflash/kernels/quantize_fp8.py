@@ -1,9 +1,10 @@
 """quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
 (descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
 after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
-reference.quantize_fp8's). A CTA per ITEMS_PER_CTA (128-row block, head) items; scales per head
-take three launches (each block's amax to a workspace, a head's descale from them, the codes).
-Needs the e4m3 conversion of sm_89 and newer."""
+reference.quantize_fp8's). A CTA per ITEMS_PER_CTA (block, head) items; scales per head take three
+launches (each block's amax to a workspace, a head's descale from them, the codes). Blocks of 192
+rows (reference.FP8_WIDE_KEY_BLOCK) at head dim 128 serve attention(..., fp8=True)'s k and v
+(fwd_quantized_sm90). Needs the e4m3 conversion of sm_89 and newer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,16 @@ ELEMENTS, CHUNK, ITEMS_PER_CTA = 32, 8, 4  # kElements (a thread's), kChunk, kIt
 MAX_ITEMS = 2**31 - 1 - ITEMS_PER_CTA  # the kernel counts (block, head) items in int, up to a CTA's past the last
 
 
-def threads(headdim: int) -> int:
-    """quantize_threads: a 128-row block, ELEMENTS elements a thread."""
-    return reference.FP8_BLOCK * headdim // ELEMENTS
+# The compiled (block rows, head dim) pairs: FP8_BLOCK at every head dim, and
+# reference.FP8_WIDE_KEY_BLOCK where reference.fp8_key_block gives it (compiled head dim 128).
+BLOCK_ROWS = tuple((reference.FP8_BLOCK, hd) for hd in HEADDIMS) + tuple(
+    (reference.FP8_WIDE_KEY_BLOCK, hd) for hd in HEADDIMS
+    if reference.fp8_key_block(hd, reference.FP8_WIDE_KEYS_FROM) == reference.FP8_WIDE_KEY_BLOCK)
+
+
+def threads(block_rows: int, headdim: int) -> int:
+    """quantize_threads: a block of `block_rows` rows, ELEMENTS elements a thread."""
+    return block_rows * headdim // ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class QuantizeFp8Variant(Variant):
     template = "cuflash::quantize_fp8"
 
     dtype: str
+    block_rows: int  # rows per block scale (scales per head: FP8_BLOCK-row items)
     headdim: int  # compiled
     hadamard: bool
     vector_loads: bool  # x's rows are 16-byte aligned (kernels.rows_aligned): one load a chunk
@@ -51,18 +60,22 @@ class QuantizeFp8Variant(Variant):
             raise ValueError(f"quantize_fp8: dtype {self.dtype} is not one of {sorted(CXX_TYPES)}")
         if self.headdim not in HEADDIMS:
             raise ValueError(f"quantize_fp8: headdim {self.headdim} is not one of {HEADDIMS}")
+        if (self.block_rows, self.headdim) not in BLOCK_ROWS:
+            raise ValueError(f"quantize_fp8: blocks of {self.block_rows} rows at head dim {self.headdim} are not "
+                             f"among the compiled {BLOCK_ROWS}")
 
     def template_args(self) -> tuple[str, ...]:
-        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.hadamard), cxx_bool(self.vector_loads)
+        return (CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.hadamard),
+                cxx_bool(self.vector_loads))
 
 
-VARIANTS = tuple(QuantizeFp8Variant(dtype, headdim, hadamard, vector_loads) for dtype in sorted(CXX_TYPES)
-                 for headdim in HEADDIMS for hadamard in (False, True) for vector_loads in (True, False))
+VARIANTS = tuple(QuantizeFp8Variant(dtype, block_rows, headdim, hadamard, vector_loads) for dtype in sorted(CXX_TYPES)
+                 for block_rows, headdim in BLOCK_ROWS for hadamard in (False, True) for vector_loads in (True, False))
 
 
 @dataclass(frozen=True)
 class QuantizeFp8TransposedVariant(Variant):
-    """V to e4m3 V^T with one descale per 128-key block (cuda_src/quantize_fp8.cu, quantize_fp8_vt):
+    """V to e4m3 V^T with one descale per block of keys (cuda_src/quantize_fp8.cu, quantize_fp8_vt):
     attention(..., fp8=True)'s V, quantized straight into the layout of the pre-transposed FP8
     forward (launched by the fwd_quantized_sm90 family's launcher)."""
 
@@ -71,18 +84,20 @@ class QuantizeFp8TransposedVariant(Variant):
     template = "cuflash::quantize_fp8_vt"
 
     dtype: str
+    block_rows: int  # keys per descale (reference.fp8_key_block)
     headdim: int  # compiled
     vector_loads: bool  # V's rows are 16-byte aligned: an 8-byte load per key and four columns
 
     def check(self) -> None:
-        QuantizeFp8Variant(self.dtype, self.headdim, False, self.vector_loads).check()
+        QuantizeFp8Variant(self.dtype, self.block_rows, self.headdim, False, self.vector_loads).check()
 
     def template_args(self) -> tuple[str, ...]:
-        return CXX_TYPES[self.dtype], str(self.headdim), cxx_bool(self.vector_loads)
+        return CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.vector_loads)
 
 
-TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, headdim, vector_loads) for dtype in sorted(CXX_TYPES)
-                            for headdim in HEADDIMS for vector_loads in (True, False))
+TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, block_rows, headdim, vector_loads)
+                            for dtype in sorted(CXX_TYPES) for block_rows, headdim in BLOCK_ROWS
+                            for vector_loads in (True, False))
 
 
 def _compiled_headdim(headdim: int) -> int:
@@ -97,7 +112,10 @@ def select(problem, inputs) -> QuantizeFp8Variant:
     if hadamard and headdim != problem.headdim:  # zero-filled columns would join the transform
         raise ValueError(f"quantize_fp8 applies the Hadamard transform to head dims {HEADDIMS} on GPU; "
                          f"got {problem.headdim}")
-    return QuantizeFp8Variant(problem.dtype, headdim, hadamard, rows_aligned(inputs["x"], ELEMENT_BYTES))
+    variant = QuantizeFp8Variant(problem.dtype, problem.fp8_block or reference.FP8_BLOCK, headdim, hadamard,
+                                 rows_aligned(inputs["x"], ELEMENT_BYTES))
+    variant.check()  # (blocks of 192 rows: attention(fp8=True)'s k and v, at the head dims that take them)
+    return variant
 
 
 @lru_cache(maxsize=64)  # drawing the signs costs more than the launch
@@ -117,43 +135,44 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     return {"block_amax": ((problem.batch, problem.nheads, reference.fp8_blocks(problem.seqlen_q)), "float32")}
 
 
-def check_items(batch: int, nheads: int, seqlen: int) -> None:
+def check_items(batch: int, nheads: int, seqlen: int, block_rows: int) -> None:
     """The passes over x launch a row of CTAs per batch entry (grid y) over every (block, head) item."""
-    blocks = reference.fp8_blocks(seqlen)
+    blocks = reference.fp8_blocks(seqlen, block_rows)
     if blocks * nheads > MAX_ITEMS or batch > MAX_GRID_YZ:
-        raise ValueError(f"quantize_fp8 launches a row of CTAs per batch entry over the {reference.FP8_BLOCK}-row "
+        raise ValueError(f"quantize_fp8 launches a row of CTAs per batch entry over the {block_rows}-row "
                          f"blocks of every head: batch {batch} must be at most {MAX_GRID_YZ} and nheads x "
-                         f"ceil(seqlen / {reference.FP8_BLOCK}) ({nheads} x {blocks}) at most {MAX_ITEMS}")
+                         f"ceil(seqlen / {block_rows}) ({nheads} x {blocks}) at most {MAX_ITEMS}")
 
 
-def _items_grid(batch: int, nheads: int, seqlen: int) -> tuple[int, int]:
+def _items_grid(batch: int, nheads: int, seqlen: int, block_rows: int) -> tuple[int, int]:
     """The grid of a pass over x (either kernel): ITEMS_PER_CTA (block, head) items a CTA, batch on y."""
-    return -(-reference.fp8_blocks(seqlen) * nheads // ITEMS_PER_CTA), batch
+    return -(-reference.fp8_blocks(seqlen, block_rows) * nheads // ITEMS_PER_CTA), batch
 
 
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
     writes the arrays' addresses in."""
-    # A CTA per ITEMS_PER_CTA (block of reference.FP8_BLOCK rows, head) items (a sequence shorter
+    # A CTA per ITEMS_PER_CTA (block of variant.block_rows rows, head) items (a sequence shorter
     # than a block is one short block), the heads of a block next to each other; batch on grid y.
     # descale (batch, nheads, blocks) or (batch, nheads), contiguous, as api.quantize_fp8 allocates
     # it; x8 too (its 8-element chunks are stored 8 bytes at a time).
-    blocks = reference.fp8_blocks(problem.seqlen_q)
-    assert problem.fp8_block in (None, reference.FP8_BLOCK), problem.fp8_block
+    rows = variant.block_rows
+    blocks = reference.fp8_blocks(problem.seqlen_q, rows)
+    assert problem.fp8_block in (None, rows) and (problem.fp8_block or rows == reference.FP8_BLOCK), problem.fp8_block
     if blocks * problem.nheads * problem.batch == 0:
         return launch_nothing
-    check_items(problem.batch, problem.nheads, problem.seqlen_q)
+    check_items(problem.batch, problem.nheads, problem.seqlen_q, rows)
     x8 = outputs["x8"]
     assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
                   nheads=problem.nheads, headdim=problem.headdim)
     for name, x in (("x", inputs["x"]), ("x8", x8)):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
-    items = _items_grid(problem.batch, problem.nheads, problem.seqlen_q)
+    items = _items_grid(problem.batch, problem.nheads, problem.seqlen_q, rows)
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     launches = [(PARAMS.template(**fields, **{"pass": p}), grid) for p, grid in passes]
-    block_dim = (threads(variant.headdim),)
+    block_dim = (threads(rows, variant.headdim),)
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:
@@ -170,17 +189,18 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, batch: i
                        headdim: int, v, vt):
     """launch(v, vt, descale, stream) of quantize_fp8_vt: v (batch, seqlen, nheads, headdim) laid out
     as `v`, into vt (batch, nheads, headdim, seqlen padded to 16; contiguous) with one descale per
-    128-key block (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s."""
-    blocks = reference.fp8_blocks(seqlen)
+    block of variant.block_rows keys (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s."""
+    blocks = reference.fp8_blocks(seqlen, variant.block_rows)
     if blocks * nheads * batch == 0:
         return lambda v, vt, descale, stream: None
-    check_items(batch, nheads, seqlen)
+    check_items(batch, nheads, seqlen, variant.block_rows)
     _, _, rows, seqlen_pad = vt.shape
     assert vt.strides == (nheads * rows * seqlen_pad, rows * seqlen_pad, seqlen_pad, 1) and seqlen_pad % 16 == 0
     template = PARAMS.template(seqlen=seqlen, nheads=nheads, headdim=headdim, x_stride_b=v.strides[0],
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
                                x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], **{"pass": BLOCK_SCALES})
-    grid, block_dim = _items_grid(batch, nheads, seqlen), (threads(variant.headdim),)
+    grid = _items_grid(batch, nheads, seqlen, variant.block_rows)
+    block_dim = (threads(variant.block_rows, variant.headdim),)
 
     def launch(v, vt, descale, stream) -> None:
         params = bytearray(template)

@@ -1,10 +1,12 @@
 """fwd_quantized_sm90: attention(q, k, v, fp8=True) on Hopper as one op (attention_quantized_forward).
-Its launch runs, on the caller's stream: quantize_fp8 on q and on k (one scale per 128 rows, after
-the Hadamard transform where asked), quantize_fp8_vt on v, which writes e4m3 V straight into V^T
-(the layout the pre-transposed FP8 forward loads, so no e4m3 V is written and read again by a pass
-of its own), then fwd_fp8_sm90 on a pre-transposed tile row. The e4m3 copies and the descales are
-workspace (Family.workspace: the caller's framework allocates them, CuPy's as uint8 bits, so CuPy
-arrays take this path too). Semantics: reference.attention_quantized."""
+Its launch runs, on the caller's stream: quantize_fp8 on q (one scale per 128 rows) and on k (one
+per reference.fp8_key_block rows: 192 at head dim 128 from 4k keys), after the Hadamard transform
+where asked; quantize_fp8_vt on v (k's blocks), which writes e4m3 V straight into V^T (the layout
+the pre-transposed FP8 forward loads, so no e4m3 V is written and read again by a pass of its
+own); then fwd_fp8_sm90 on a pre-transposed tile row whose key block is k's and v's scale block.
+The e4m3 copies and the descales are workspace (Family.workspace: the caller's framework allocates
+them, CuPy's as uint8 bits, so CuPy arrays take this path too). Semantics:
+reference.attention_quantized."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,36 +26,42 @@ def _fp8_problem(problem):
 
 
 def _quantize_problem(problem, name: str):
-    """The quantize_fp8 problem of q, k or v: one scale per FP8_BLOCK rows, q and k with the call's
-    transform."""
+    """The quantize_fp8 problem of q, k or v: one scale per FP8_BLOCK rows of q, per
+    reference.fp8_key_block rows of k and v; q and k with the call's transform."""
     seqlen, nheads = (problem.seqlen_q, problem.nheads) if name == "q" else (problem.seqlen_k, problem.nheads_kv)
+    block = reference.FP8_BLOCK if name == "q" else reference.fp8_key_block(problem.headdim, problem.seqlen_k)
     return dataclasses.replace(problem, op="quantize_fp8", seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads,
-                               nheads_kv=nheads, fp8_block=reference.FP8_BLOCK, causal=False, window_left=-1,
+                               nheads_kv=nheads, fp8_block=block, causal=False, window_left=-1,
                                window_right=-1, out_dtype=None,
                                hadamard_seed=None if name == "v" else problem.hadamard_seed)
 
 
 def _tiles(problem) -> tuple[int, int, int, str, str, bool]:
-    """The FP8 forward's tile row: fwd_fp8_sm90's own for the problem (or the forced one,
-    fwd_sm90.fp8_tiles_override), always pre-transposed unless forced otherwise: V^T costs no pass
-    of its own here. A row that transposes V in the kernel keeps its blocks, stages, sync and
-    schedule: end to end on H100 (session 31, one graph-timed run each, benchmarks/NOTES-fp8.md)
-    those measured within 1% of the in-kernel row at head dims 64 (1k, 4k) and 128 (1k) and 4% faster
-    at 128, 2k, where the head dim's own V^T-beforehand row of FP8_TILES was 0-9% slower."""
-    fp8 = _fp8_problem(problem)
+    """The FP8 forward's tile row (or the forced one, fwd_sm90.fp8_tiles_override). Where k's and v's
+    scale blocks are 128 keys, fwd_fp8_sm90's own row for the problem, always pre-transposed: V^T
+    costs no pass of its own here. A row that transposes V in the kernel keeps its blocks, stages,
+    sync and schedule: end to end on H100 (session 31, one graph-timed run each,
+    benchmarks/NOTES-fp8.md) those measured within 1% of the in-kernel row at head dims 64 (1k, 4k)
+    and 128 (1k) and 4% faster at 128, 2k, where the head dim's own V^T-beforehand row of FP8_TILES
+    was 0-9% slower. Where they are wider (reference.fp8_key_block: 192 keys at head dim 128 from 4k
+    keys), the row of that key block, FP8_PER_HEAD_TILES'."""
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
     forced = fwd_sm90.fp8_forced_row(headdim)
-    return forced if forced is not None else (*fwd_sm90.fp8_tiles(fp8)[:5], True)
+    if forced is not None:
+        return forced
+    if reference.fp8_key_block(headdim, problem.seqlen_k) != reference.FP8_BLOCK:
+        return fwd_sm90.FP8_PER_HEAD_TILES[headdim]
+    return (*fwd_sm90.fp8_tiles(_fp8_problem(problem))[:5], True)
 
 
 def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     """q8, k8 and v's e4m3 copy (V^T for a pre-transposed row, else v8), and the three descales."""
     b, sq, sk, h, hkv, d = (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads, problem.nheads_kv,
                             problem.headdim)
+    key_blocks = reference.fp8_blocks(sk, reference.fp8_key_block(d, sk))
     buffers = {"q8": ((b, sq, h, d), FP8), "k8": ((b, sk, hkv, d), FP8),
                "q_descale": ((b, h, reference.fp8_blocks(sq)), "float32"),
-               "k_descale": ((b, hkv, reference.fp8_blocks(sk)), "float32"),
-               "v_descale": ((b, hkv, reference.fp8_blocks(sk)), "float32")}
+               "k_descale": ((b, hkv, key_blocks), "float32"), "v_descale": ((b, hkv, key_blocks), "float32")}
     if d > fwd_sm90.FP8_HEADDIMS[-1]:  # refused by select: no V to lay out
         return buffers
     if _tiles(problem)[5]:
@@ -73,12 +81,15 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
     for name in ("q", "k", "v"):
         quantize_problem = _quantize_problem(problem, name)
         quantize_fp8.select(quantize_problem, {"x": inputs[name]})
-        quantize_fp8.check_items(quantize_problem.batch, quantize_problem.nheads, quantize_problem.seqlen_q)
+        quantize_fp8.check_items(quantize_problem.batch, quantize_problem.nheads, quantize_problem.seqlen_q,
+                                 quantize_problem.fp8_block)
     fp8 = _fp8_problem(problem)
     tiles = _tiles(problem)
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
-    if tiles[1] != 128:
-        raise ValueError(f"{FAMILY_NAME} quantizes k and v per 128 rows: a forced row of {tiles[1]} keys cannot take them")
+    key_block = reference.fp8_key_block(headdim, problem.seqlen_k)
+    if tiles[1] != key_block:
+        raise ValueError(f"{FAMILY_NAME} quantizes k and v per {key_block} rows at head dim {problem.headdim}: a "
+                         f"forced row of {tiles[1]} keys cannot take them")
     if not tiles[5] and -(-problem.seqlen_k // tiles[1]) > fwd_sm90.FP8_MAX_KEY_BLOCKS:  # (a forced row)
         raise ValueError(f"{FAMILY_NAME} on a row that transposes V in the kernel takes at most "
                          f"{fwd_sm90.FP8_MAX_KEY_BLOCKS * tiles[1]} keys; got seqlen_k {problem.seqlen_k}")
@@ -102,8 +113,10 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
         launches.append(lambda inputs, outputs, stream, launch=launch, name=name:
                         launch({"x": inputs[name]}, _quantized(outputs, name), stream))
     if variant.v_pretransposed:
-        quantizer = quantize_fp8.QuantizeFp8TransposedVariant(problem.dtype, compiled_headdim(
-            problem.headdim, quantize_fp8.HEADDIMS), rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES))
+        headdim = compiled_headdim(problem.headdim, quantize_fp8.HEADDIMS)
+        quantizer = quantize_fp8.QuantizeFp8TransposedVariant(
+            problem.dtype, reference.fp8_key_block(headdim, problem.seqlen_k), headdim,
+            rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES))
         launch_v = quantize_fp8.prepare_transposed(quantizer, jit.get_function(quantizer, index), problem.batch,
                                                    problem.seqlen_k, problem.nheads_kv, problem.headdim, inputs["v"],
                                                    outputs["v_transposed"])
@@ -135,7 +148,8 @@ def _attention_inputs(outputs) -> dict:
 
 def _flipped_rows(headdim: int) -> list[tuple]:
     """FP8_TILES' rows at this head dim that transpose V in the kernel, pre-transposed, but those
-    FP8_TILES has as they are (fwd_fp8_sm90's variants)."""
+    FP8_TILES has as they are (fwd_fp8_sm90's variants; so is FP8_PER_HEAD_TILES', _tiles' row where
+    k and v take wider blocks)."""
     rows = [row for _, row in fwd_sm90.FP8_TILES[headdim]]
     return [fwd_sm90.pretransposed(row) for row in rows if not row[5] and fwd_sm90.pretransposed(row) not in rows]
 
