@@ -9,7 +9,7 @@
 // diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix, headdim == kHeadDim a power of
 // two): the semantics are reference.quantize_fp8's.
 //
-// A CTA takes kItemsPerCta (block of kBlockRows rows, head) items of one batch entry (blockIdx.y),
+// A CTA takes items_per_cta (block of kBlockRows rows, head) items of one batch entry (blockIdx.y),
 // item i being block i / nheads of head i % nheads: the heads of a block next to each other, so
 // CTAs running together read whole token rows of x, not one head's slice of rows far apart. A
 // thread holds chunks of kChunk consecutive elements (16 bytes of x) of one or two rows of an item
@@ -45,8 +45,9 @@ struct QuantizeFp8Params {
   long long x8_stride_b, x8_stride_s, x8_stride_h;   // elements (bytes)
   unsigned long long signs[4];                       // bit j set: element j of a row is negated
   int seqlen, nheads, headdim, pass;
+  int items_per_cta;  // consecutive items a CTA takes (the host spreads them over one wave of CTAs)
 };
-static_assert(sizeof(QuantizeFp8Params) == 128, "keep in step with cuflash/kernels/quantize_fp8.py");
+static_assert(sizeof(QuantizeFp8Params) == 136, "keep in step with cuflash/kernels/quantize_fp8.py");
 
 constexpr int kChunk = 8;  // elements of one 16-byte load
 
@@ -140,9 +141,8 @@ __device__ __forceinline__ void store_codes(const typename L::Values& v, float d
   }
 }
 
-// The (block, head) items a CTA takes one after the other, prefetching each next one into L2 while
-// it converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
-constexpr int kItemsPerCta = 4;
+// A CTA takes its items one after the other, prefetching each next one into L2 while it converts
+// the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
 
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
 
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
     if (w < kHeadDim / 2) sign_words[w] = sign_bit(2 * w) << 15 | sign_bit(2 * w + 1) << 31;
     __syncthreads();
   }
-  for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
+  for (int j = 0, item = blockIdx.x * p.items_per_cta; j < p.items_per_cta && item < items; ++j, ++item) {
     const auto [block, h, row0] = item_at<kBlockRows>(item, p.nheads, row_in_block);
     const T* x = x_batch + h * p.x_stride_h;
     typename L::Values v;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
         }
       }
     }
-    if (j + 1 < kItemsPerCta && item + 1 < items && lane == 0) {  // a row's lines: lane 0's chunks span them
+    if (j + 1 < p.items_per_cta && item + 1 < items && lane == 0) {  // a row's lines: lane 0's chunks span them
       const Item next = item_at<kBlockRows>(item + 1, p.nheads, row_in_block);
 #pragma unroll
       for (int i = 0; i < L::kRows; ++i) {
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
   const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
   __shared__ float warp_amax[2][kWarps];  // by item parity, as in quantize_fp8
 
-  for (int j = 0, item = blockIdx.x * kItemsPerCta; j < kItemsPerCta && item < items; ++j, ++item) {
+  for (int j = 0, item = blockIdx.x * p.items_per_cta; j < p.items_per_cta && item < items; ++j, ++item) {
     const auto [block, h, key0] = item_at<kBlockRows>(item, p.nheads, first_key);
     const T* at = x_batch + h * p.x_stride_h + key0 * p.x_stride_s;  // key k's, stepped (not multiplied)
     float v[kKeys][4];
@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
       }
     }
     // A slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
-    if (j + 1 < kItemsPerCta && item + 1 < items) {
+    if (j + 1 < p.items_per_cta && item + 1 < items) {
       const Item next = item_at<kBlockRows>(item + 1, p.nheads, first_key);
       const int key = next.row0 + lane % 8;
       if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);

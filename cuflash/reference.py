@@ -530,7 +530,7 @@ FP8_BLOCK = 128  # rows per block scale: the one block size quantize_fp8 and att
 # keys, 1.10x at 8k, 1.13x at 16k (causal 1.00x, 1.05x, 1.09x), but 0.90-0.94x up to 1k, where the
 # quantizers' larger blocks cost more than the wider blocks save.
 FP8_WIDE_KEY_BLOCK = 192
-FP8_WIDE_KEYS_FROM = 4096
+FP8_WIDE_KEYS_FROM = 2048
 
 
 def fp8_key_block(headdim: int, seqlen_k: int) -> int:

@@ -229,14 +229,14 @@ def test_accuracy_study_outliers():
 @pytest.mark.parametrize("headdim, seqlen_k", [(64, 4100), (128, 200), (128, 4100), (96, 4100), (256, 4100)])
 def test_attention_with_fp8_true_quantizes_on_the_fly(headdim, seqlen_k):
     """attention(fp8=True): q quantized per 128 rows, k and v per reference.fp8_key_block rows (192
-    at head dims 65-128 from 4096 keys, where 4100 keys make blocks of 192 ending 4031-4099: not
+    at head dims 65-128 from 2048 keys, where 4100 keys make blocks of 192 ending 4031-4099: not
     attention_fp8's of 128 ending 4095-4099), then attention on the dequantized values."""
     rng = np.random.default_rng(4)
     q = _normal(rng, (1, 200, 4, headdim)).astype(ml_dtypes.bfloat16)
     k, v = (_normal(rng, (1, seqlen_k, 2, headdim)).astype(ml_dtypes.bfloat16) for _ in range(2))
     exact = reference.forward(q, k, v, causal=True)[0]
     key_block = reference.fp8_key_block(headdim, seqlen_k)
-    assert key_block == (192 if headdim in (96, 128) and seqlen_k >= 4096 else 128)
+    assert key_block == (192 if headdim in (96, 128) and seqlen_k >= 2048 else 128)
     for hadamard in (False, True) if headdim != 96 else (False,):
         out, lse = cuflash.attention(q, k, v, causal=True, fp8=True, hadamard=hadamard, return_lse=True)
         seed = 0 if hadamard else None
@@ -540,18 +540,20 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     assert kernels.workspace(dataclasses.replace(problem, device=Device("cpu"))) == {}  # the reference needs none
 
 
-def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
+def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkeypatch):
     """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows; scales per
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
-    reducing them to its descale, the convert), ITEMS_PER_CTA (block, head) items a CTA on grid x,
-    batch on grid y; grids that do not fit are refused by name."""
-    from cuflash import kernels
+    reducing them to its descale, the convert), runs of consecutive (block, head) items spread
+    evenly over one wave of CTAs on grid x, batch on grid y; grids that do not fit are refused by
+    name."""
+    from cuflash import jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
     from cuflash.problem import Problem
 
     problem = Problem(op="quantize_fp8", framework="torch", device=Device("cuda", 0), dtype="bfloat16", batch=2,
                       seqlen_q=300, seqlen_k=300, nheads=3, nheads_kv=3, headdim=128, hadamard_seed=5)
+    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
 
     def rows(p, ptr=1 << 20, pad=0):
         width = p.headdim + pad
@@ -571,7 +573,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
     variant = quantize.select(problem, {"x": rows(problem)})
     arrays = {"x": rows(problem), "x8": rows(problem, ptr=2 << 20), "descale": DeviceArray(3 << 20, (2, 3), (3, 1)),
               "block_amax": DeviceArray(4 << 20, (2, 3, 3), (9, 3, 1))}
-    items = (-(-3 * 3 // quantize.ITEMS_PER_CTA), 2)  # 3 blocks of 3 heads, batch 2
+    items = (9, 2)  # 3 blocks of 3 heads, batch 2: 18 items for 264 CTAs (two of 512 threads an SM), one each
     for p, passes in ((per_block, [(quantize.BLOCK_SCALES, items)]),
                       (problem, [(quantize.HEAD_AMAX, items), (quantize.HEAD_SCALE, (3, 2)),
                                  (quantize.HEAD_CONVERT, items)])):
@@ -580,7 +582,8 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
         assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
         assert all(block == (quantize.threads(128, 128),) == (512,) for _, block, _ in launches)
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
-                   and params["x"] == 1 << 20 and params["x8"] == 2 << 20 for _, _, params in launches)
+                   and params["x"] == 1 << 20 and params["x8"] == 2 << 20 and params["items_per_cta"] == 1
+                   for _, _, params in launches)
     # attention(fp8=True)'s k and v at head dim 128: blocks of 192 rows (2 of 300), 768 threads a CTA
     wide = dataclasses.replace(problem, fp8_block=192)
     wide_variant = quantize.select(wide, {"x": rows(wide)})
@@ -588,19 +591,25 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other():
     launches.clear()
     quantize.prepare(wide_variant, function, wide, arrays, arrays)(arrays, arrays, None)
     assert [(int(params["pass"]), grid, block) for grid, block, params in launches] == [
-        (quantize.BLOCK_SCALES, (-(-2 * 3 // quantize.ITEMS_PER_CTA), 2), (768,))]
+        (quantize.BLOCK_SCALES, (6, 2), (768,))]
+    # A 16k x 2048 tensor: 128 blocks of 16 heads, 4 a CTA in two whole waves of 264 CTAs (two an SM);
+    # 86 blocks of 192 rows would take 2.6 waves of 132 (one an SM): 11 a CTA, one wave of 126.
+    assert quantize._items_split(0, 1, 16, 16384, 128, 128) == (4, (512, 1))
+    assert quantize._items_split(0, 1, 16, 16384, 192, 128) == (11, (126, 1))
+    assert quantize._items_split(0, 4, 16, 4096, 192, 128) == (11, (32, 4))  # 22 blocks a batch entry
+    assert quantize._items_split(0, 1, 32, 16384, 128, 64) == (4, (1024, 1))  # 256 threads: four CTAs an SM
     with pytest.raises(ValueError, match=r"blocks of 192 rows at head dim 64 are not among the compiled"):
         quantize.select(dataclasses.replace(wide, headdim=64), {"x": rows(dataclasses.replace(wide, headdim=64))})
     with pytest.raises(ValueError, match=r"quantize_fp8 launches a row of CTAs .*batch 65536 must be at most 65535"):
         quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
-    with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483643"):
+    with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 1073741824"):
         quantize.prepare(variant, function, dataclasses.replace(problem, nheads=2**16, seqlen_q=2**22), arrays, arrays)
 
 
 def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():
     """attention(fp8=True)'s op on Hopper (fwd_quantized_sm90): the FP8 forward's own row for the
     problem, pre-transposed (V^T comes from the quantizer), with the tensor-core row sums at head dim
-    64 without the LSE; at head dim 128 from 4096 keys the 192-key row, k and v quantized per 192
+    64 without the LSE; at head dim 128 from 2048 keys the 192-key row, k and v quantized per 192
     rows; its
     workspace (e4m3 q, k, V^T and the descales) from the problem alone; empty sequences, head dims
     that are not multiples of 16 and forced rows of another key block refused."""
@@ -635,7 +644,7 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         (64, fwd_sm90.FP8_TILES[64][1][1])][0]
     flipped_64 = fwd_sm90.pretransposed(fwd_sm90.FP8_TILES[64][0][1])  # the in-kernel row, flipped
     assert quantized_sm90.select(no_lse_64, inputs(no_lse_64)).exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[(64, flipped_64)][0]
-    # Head dim 128 (and 72-112, compiled as 128): below 4096 keys the 128-key row, pre-transposed;
+    # Head dim 128 (and 72-112, compiled as 128): below 2048 keys the 128-key row, pre-transposed;
     # from there k and v per 192 rows and the 192-key row.
     short_128 = dataclasses.replace(problem, headdim=128, seqlen_q=5000)
     variant = quantized_sm90.select(short_128, inputs(short_128))
@@ -661,7 +670,7 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         fwd_sm90.fp8_tiles_override = {256: fwd_sm90.FP8_PER_HEAD_TILES[128]}
         with pytest.raises(ValueError, match="per 128 rows at head dim 256: a forced row of 192 keys"):
             quantized_sm90.select(problem, inputs(problem))
-        wide = dataclasses.replace(problem, headdim=128, seqlen_k=4096)
+        wide = dataclasses.replace(problem, headdim=128, seqlen_k=2048)
         fwd_sm90.fp8_tiles_override = {128: fwd_sm90.FP8_TILES[128][1][1]}
         with pytest.raises(ValueError, match="per 192 rows at head dim 128: a forced row of 128 keys"):
             quantized_sm90.select(wide, inputs(wide))

@@ -430,7 +430,7 @@ def _v_transposed(v8):
 def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group,
                                                                   kw, hadamard, dtype, row, with_lse, misaligned, seed):
     """attention(fp8=True) as one op (fwd_quantized_sm90) on its own row (row None: one of FP8_TILES'
-    rows, pre-transposed; from 4096 keys at head dim 128 the 192-key row, the next test's) or any of
+    rows, pre-transposed; from 2048 keys at head dim 128 the 192-key row, the next test's) or any of
     the rows of k's and v's scale block fwd_fp8_sm90 may take: its workspace holds exactly
     quantize_fp8's codes and descales (q per 128 rows, k and v per reference.fp8_key_block rows,
     seed 0), V's as V^T, padding keys zero; its out (and lse) pass _check against them; a second
@@ -444,11 +444,12 @@ def test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference(headdim, batch
 @hopper_only
 @pytest.mark.parametrize("headdim, seqlen_k, causal, with_lse, row", [
     (128, 4096, False, False, None), (128, 4300, True, True, None), (128, 4300, False, True, 0),
-    (96, 4200, True, False, None), (128, 4095, False, False, None), (64, 4200, True, False, None)])
-def test_fp8_true_from_4096_keys_quantizes_k_and_v_per_192_rows(headdim, seqlen_k, causal, with_lse, row):
+    (96, 2100, True, False, None), (128, 2047, False, False, None), (128, 2048, True, False, None),
+    (64, 4200, True, False, None)])
+def test_fp8_true_from_2048_keys_quantizes_k_and_v_per_192_rows(headdim, seqlen_k, causal, with_lse, row):
     """As test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference, beyond its lengths: from
     reference.FP8_WIDE_KEYS_FROM keys at head dims 65-128, k and v take one scale per 192 rows on the
-    192-key row (key tails short of a block; 4095 keys and head dim 64 stay at 128)."""
+    192-key row (key tails short of a block; 2047 keys and head dim 64 stay at 128)."""
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
     _fp8_true_case(headdim, 1, 300, seqlen_k, 2, 2, kw, True, torch.bfloat16, row, with_lse, headdim == 96, 11)
 

@@ -1,7 +1,7 @@
 """quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
 (descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
 after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
-reference.quantize_fp8's). A CTA per ITEMS_PER_CTA (block, head) items; scales per head take three
+reference.quantize_fp8's). A CTA per run of (block, head) items; scales per head take three
 launches (each block's amax to a workspace, a head's descale from them, the codes). Blocks of 192
 rows (reference.FP8_WIDE_KEY_BLOCK) at head dim 128 serve attention(..., fp8=True)'s k and v
 (fwd_quantized_sm90). Needs the e4m3 conversion of sm_89 and newer."""
@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import reference
+from .. import jit, reference
 from . import (CXX_TYPES, MAX_GRID_YZ, Family, ParamStruct, Variant, cxx_bool, launch_nothing,
                rows_aligned)
 
@@ -20,15 +20,20 @@ HEADDIMS = (64, 128, 256)  # compiled; a head dim below one (a multiple of 8) ru
 ELEMENT_BYTES = 2  # x is fp16 or bf16
 
 # The kernel's QuantizeFp8Params struct, field for field, and its `pass` values.
-QUANTIZE_FP8_PARAMS = np.dtype([(name, np.uint64) for name in ("x", "x8", "descale", "block_amax")]
-                  + [(f"{t}_stride_{d}", np.int64) for t in ("x", "x8") for d in ("b", "s", "h")]
-                  + [("signs", np.uint64, (4,))]
-                  + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "pass")])
-assert QUANTIZE_FP8_PARAMS.itemsize == 128, "keep in step with static_assert(sizeof(QuantizeFp8Params) == 128)"
+_FIELDS = ([(name, np.uint64) for name in ("x", "x8", "descale", "block_amax")]
+           + [(f"{t}_stride_{d}", np.int64) for t in ("x", "x8") for d in ("b", "s", "h")]
+           + [("signs", (np.uint64, (4,)))]
+           + [(name, np.int32) for name in ("seqlen", "nheads", "headdim", "pass", "items_per_cta")])
+QUANTIZE_FP8_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS],
+                                "itemsize": 136})  # (padded to its 8-byte alignment)
+assert QUANTIZE_FP8_PARAMS.fields["items_per_cta"][1] == 128, "keep in step with QuantizeFp8Params"
 PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
 BLOCK_SCALES, HEAD_AMAX, HEAD_SCALE, HEAD_CONVERT = 0, 1, 2, 3
-ELEMENTS, CHUNK, ITEMS_PER_CTA = 32, 8, 4  # kElements (a thread's), kChunk, kItemsPerCta
-MAX_ITEMS = 2**31 - 1 - ITEMS_PER_CTA  # the kernel counts (block, head) items in int, up to a CTA's past the last
+ELEMENTS, CHUNK = 32, 8  # kElements (a thread's), kChunk
+ITEMS_PER_CTA = 4  # (block, head) items a CTA, unless fewer or more spread them better (_items_split)
+# The kernel counts a batch entry's (block, head) items in int, up to a CTA's items past the last
+# (at most as many again).
+MAX_ITEMS = 2**30
 
 
 # The compiled (block rows, head dim) pairs: FP8_BLOCK at every head dim, and
@@ -144,16 +149,28 @@ def check_items(batch: int, nheads: int, seqlen: int, block_rows: int) -> None:
                          f"ceil(seqlen / {block_rows}) ({nheads} x {blocks}) at most {MAX_ITEMS}")
 
 
-def _items_grid(batch: int, nheads: int, seqlen: int, block_rows: int) -> tuple[int, int]:
-    """The grid of a pass over x (either kernel): ITEMS_PER_CTA (block, head) items a CTA, batch on y."""
-    return -(-reference.fp8_blocks(seqlen, block_rows) * nheads // ITEMS_PER_CTA), batch
+def _items_split(device_index: int, batch: int, nheads: int, seqlen: int, block_rows: int,
+                 headdim: int) -> tuple[int, tuple[int, int]]:
+    """(items a CTA, grid) of a pass over x (either kernel): consecutive (block, head) items of a
+    batch entry a CTA, batch on grid y. ITEMS_PER_CTA, or the items spread evenly over one wave of
+    CTAs (each SM holds 1024 / threads of them, as the kernels' launch bounds ask) where that leaves
+    fewer on the busiest SM: the 192-row blocks' 768-thread CTAs (one an SM) ran 2.6 waves of 4
+    items on a 16k x 2048 tensor, and 11 items a CTA in one wave measured 1.08x (H200, session 45).
+    On whole waves 4 stays: spread over one wave, head dim 64 measured 0.96x (256 at 1.02-1.04x)."""
+    items = reference.fp8_blocks(seqlen, block_rows) * nheads
+    ctas_per_sm = max(1, 1024 // threads(block_rows, headdim))
+    slots = int(jit.device_properties(device_index)["multiProcessorCount"]) * ctas_per_sm
+    spread = -(-batch * items // slots)  # the busiest SM's items, spread evenly
+    busiest = ITEMS_PER_CTA * -(-batch * -(-items // ITEMS_PER_CTA) // slots)  # ITEMS_PER_CTA a CTA
+    per_cta = ITEMS_PER_CTA if busiest <= spread else spread
+    return per_cta, (-(-items // per_cta), batch)
 
 
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
     writes the arrays' addresses in."""
-    # A CTA per ITEMS_PER_CTA (block of variant.block_rows rows, head) items (a sequence shorter
-    # than a block is one short block), the heads of a block next to each other; batch on grid y.
+    # A CTA per `per_cta` (block of variant.block_rows rows, head) items (a sequence shorter than a
+    # block is one short block), the heads of a block next to each other; batch on grid y.
     # descale (batch, nheads, blocks) or (batch, nheads), contiguous, as api.quantize_fp8 allocates
     # it; x8 too (its 8-element chunks are stored 8 bytes at a time).
     rows = variant.block_rows
@@ -164,11 +181,12 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     check_items(problem.batch, problem.nheads, problem.seqlen_q, rows)
     x8 = outputs["x8"]
     assert x8.ptr % CHUNK == 0 and all(s % CHUNK == 0 for s in x8.strides[:3]), "x8 is cuflash's own, contiguous"
+    per_cta, items = _items_split(problem.device.index, problem.batch, problem.nheads, problem.seqlen_q, rows,
+                                  variant.headdim)
     fields = dict(signs=_sign_bits(problem.headdim, problem.hadamard_seed), seqlen=problem.seqlen_q,
-                  nheads=problem.nheads, headdim=problem.headdim)
+                  nheads=problem.nheads, headdim=problem.headdim, items_per_cta=per_cta)
     for name, x in (("x", inputs["x"]), ("x8", x8)):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
-    items = _items_grid(problem.batch, problem.nheads, problem.seqlen_q, rows)
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     launches = [(PARAMS.template(**fields, **{"pass": p}), grid) for p, grid in passes]
@@ -185,8 +203,8 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
     return launch_prepared
 
 
-def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, batch: int, seqlen: int, nheads: int,
-                       headdim: int, v, vt):
+def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_index: int, batch: int, seqlen: int,
+                       nheads: int, headdim: int, v, vt):
     """launch(v, vt, descale, stream) of quantize_fp8_vt: v (batch, seqlen, nheads, headdim) laid out
     as `v`, into vt (batch, nheads, headdim, seqlen padded to 16; contiguous) with one descale per
     block of variant.block_rows keys (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s."""
@@ -196,10 +214,11 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, batch: i
     check_items(batch, nheads, seqlen, variant.block_rows)
     _, _, rows, seqlen_pad = vt.shape
     assert vt.strides == (nheads * rows * seqlen_pad, rows * seqlen_pad, seqlen_pad, 1) and seqlen_pad % 16 == 0
+    per_cta, grid = _items_split(device_index, batch, nheads, seqlen, variant.block_rows, variant.headdim)
     template = PARAMS.template(seqlen=seqlen, nheads=nheads, headdim=headdim, x_stride_b=v.strides[0],
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
-                               x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], **{"pass": BLOCK_SCALES})
-    grid = _items_grid(batch, nheads, seqlen, variant.block_rows)
+                               x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], items_per_cta=per_cta,
+                               **{"pass": BLOCK_SCALES})
     block_dim = (threads(variant.block_rows, variant.headdim),)
 
     def launch(v, vt, descale, stream) -> None:

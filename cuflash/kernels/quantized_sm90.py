@@ -1,6 +1,6 @@
 """fwd_quantized_sm90: attention(q, k, v, fp8=True) on Hopper as one op (attention_quantized_forward).
 Its launch runs, on the caller's stream: quantize_fp8 on q (one scale per 128 rows) and on k (one
-per reference.fp8_key_block rows: 192 at head dim 128 from 4k keys), after the Hadamard transform
+per reference.fp8_key_block rows: 192 at head dim 128 from 2k keys), after the Hadamard transform
 where asked; quantize_fp8_vt on v (k's blocks), which writes e4m3 V straight into V^T (the layout
 the pre-transposed FP8 forward loads, so no e4m3 V is written and read again by a pass of its
 own); then fwd_fp8_sm90 on a pre-transposed tile row whose key block is k's and v's scale block.
@@ -43,7 +43,7 @@ def _tiles(problem) -> tuple[int, int, int, str, str, bool]:
     sync and schedule: end to end on H100 (session 31, one graph-timed run each,
     benchmarks/NOTES-fp8.md) those measured within 1% of the in-kernel row at head dims 64 (1k, 4k)
     and 128 (1k) and 4% faster at 128, 2k, where the head dim's own V^T-beforehand row of FP8_TILES
-    was 0-9% slower. Where they are wider (reference.fp8_key_block: 192 keys at head dim 128 from 4k
+    was 0-9% slower. Where they are wider (reference.fp8_key_block: 192 keys at head dim 128 from 2k
     keys), the row of that key block, FP8_PER_HEAD_TILES'."""
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
     forced = fwd_sm90.fp8_forced_row(headdim)
@@ -117,7 +117,7 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
         quantizer = quantize_fp8.QuantizeFp8TransposedVariant(
             problem.dtype, reference.fp8_key_block(headdim, problem.seqlen_k), headdim,
             rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES))
-        launch_v = quantize_fp8.prepare_transposed(quantizer, jit.get_function(quantizer, index), problem.batch,
+        launch_v = quantize_fp8.prepare_transposed(quantizer, jit.get_function(quantizer, index), index, problem.batch,
                                                    problem.seqlen_k, problem.nheads_kv, problem.headdim, inputs["v"],
                                                    outputs["v_transposed"])
         launches.append(lambda inputs, outputs, stream:
