@@ -217,8 +217,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     (NotImplementedError saying why, if it can't).
 
     fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (as `quantize_fp8` with one
-    scale per FP8_BLOCK = 128 rows of each head) and runs FP8 attention (as `attention_fp8`), out in
-    q's dtype (reference.attention_quantized); hadamard=True also applies the random Hadamard
+    scale per FP8_BLOCK = 128 rows of each head; k and v per 192 rows at head dims 65-128 from 2048
+    keys, the FP8 kernel's key block there: reference.fp8_key_block) and runs FP8 attention (as
+    `attention_fp8`), out in q's dtype (reference.attention_quantized); hadamard=True also applies the random Hadamard
     transform to q and k first (incoherent processing: it cancels in q k^T and spreads outliers). No
     softcap with fp8. On Hopper it is one call of the fwd_quantized_sm90 family, whose e4m3 copies
     are a workspace of its own (V's straight in the transposed layout the FP8 kernel loads), so
@@ -405,7 +406,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_OUT_DTYPES = ("bfloat16", "float16")
-FP8_BLOCK = reference.FP8_BLOCK  # rows per block scale: quantize_fp8's one block size, attention(..., fp8=True)'s
+FP8_BLOCK = reference.FP8_BLOCK  # rows per block scale: quantize_fp8's one block size (fp8=True's k, v: fp8_key_block)
 _FP8_SEED = 0  # attention(..., fp8=True, hadamard=True): the transform's seed (any works: it cancels)
 
 
