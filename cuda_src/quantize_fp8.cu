@@ -45,7 +45,7 @@ struct QuantizeFp8Params {
   long long x8_stride_b, x8_stride_s, x8_stride_h;   // elements (bytes)
   unsigned long long signs[4];                       // bit j set: element j of a row is negated
   int seqlen, nheads, headdim, pass;
-  int items_per_cta;  // consecutive items a CTA takes (the host spreads them over one wave of CTAs)
+  int items_per_cta;  // consecutive items a CTA takes (quantize_fp8.py's _items_split)
 };
 static_assert(sizeof(QuantizeFp8Params) == 136, "keep in step with cuflash/kernels/quantize_fp8.py");
 

@@ -219,11 +219,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     fp8=True quantizes float16/bfloat16 q, k and v to e4m3 on the fly (as `quantize_fp8` with one
     scale per FP8_BLOCK = 128 rows of each head; k and v per 192 rows at head dims 65-128 from 2048
     keys, the FP8 kernel's key block there: reference.fp8_key_block) and runs FP8 attention (as
-    `attention_fp8`), out in q's dtype (reference.attention_quantized); hadamard=True also applies the random Hadamard
-    transform to q and k first (incoherent processing: it cancels in q k^T and spreads outliers). No
-    softcap with fp8. On Hopper it is one call of the fwd_quantized_sm90 family, whose e4m3 copies
-    are a workspace of its own (V's straight in the transposed layout the FP8 kernel loads), so
-    CuPy arrays work here too (CuPy has no e4m3 dtype: quantize_fp8 and attention_fp8 refuse them).
+    `attention_fp8`), out in q's dtype (reference.attention_quantized); hadamard=True also applies
+    the random Hadamard transform to q and k first (incoherent processing: it cancels in q k^T and
+    spreads outliers). No softcap with fp8. On Hopper it is one call of the fwd_quantized_sm90
+    family, whose e4m3 copies are a workspace of its own (V's straight in the transposed layout the
+    FP8 kernel loads), so CuPy arrays work here too (CuPy has no e4m3 dtype: quantize_fp8 and
+    attention_fp8 refuse them).
     """
     fp8, hadamard = _fp8_flags(fp8, hadamard)
     if fp8:

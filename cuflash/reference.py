@@ -526,8 +526,8 @@ FP8_BLOCK = 128  # rows per block scale: the one block size quantize_fp8 and att
 # FP8 attention kernel applies the K and V descales once per block of 128 keys)
 # attention(q, k, v, fp8=True)'s k and v scales at head dims 65-128 from FP8_WIDE_KEYS_FROM keys: the
 # GPU kernel's key block there (192 keys; 128-row scales would straddle its blocks). End to end on an
-# H200 (session 45, benchmarks/NOTES-fp8.md) against 128-row scales on 128-key blocks: 1.04x at 4k
-# keys, 1.10x at 8k, 1.13x at 16k (causal 1.00x, 1.05x, 1.09x), but 0.90-0.94x up to 1k, where the
+# H200 (session 45, benchmarks/NOTES-fp8.md) against 128-row scales on 128-key blocks: 1.035x at 2k
+# keys, 1.056x at 4k, 1.13x at 16k (causal 1.01x, 1.02x, 1.09x), but 0.94x at 1k, where the
 # quantizers' larger blocks cost more than the wider blocks save.
 FP8_WIDE_KEY_BLOCK = 192
 FP8_WIDE_KEYS_FROM = 2048
@@ -643,9 +643,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
 def attention_quantized(q, k, v, hadamard_seed: int | None = None, *, causal=False, softmax_scale=None,
                         window=(-1, -1)):
     """attention(q, k, v, fp8=True): q quantized with one scale per FP8_BLOCK rows, k and v per
-    fp8_key_block(headdim, seqlen_k) rows (q and k after the Hadamard transform of `hadamard_seed`, None for
-    none: it cancels in q k^T), then attention on the dequantized inputs, as `attention_fp8`: (out,
-    lse) in float64."""
+    fp8_key_block(headdim, seqlen_k) rows (q and k after the Hadamard transform of `hadamard_seed`,
+    None for none: it cancels in q k^T), then attention on the dequantized inputs, as
+    `attention_fp8`: (out, lse) in float64."""
     key_block = fp8_key_block(np.shape(q)[-1], np.shape(k)[1])
     dequantized = [dequantize_fp8(*quantize_fp8(x, block, seed), block) for x, block, seed in
                    ((q, FP8_BLOCK, hadamard_seed), (k, key_block, hadamard_seed), (v, key_block, None))]

@@ -31,9 +31,7 @@ PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
 BLOCK_SCALES, HEAD_AMAX, HEAD_SCALE, HEAD_CONVERT = 0, 1, 2, 3
 ELEMENTS, CHUNK = 32, 8  # kElements (a thread's), kChunk
 ITEMS_PER_CTA = 4  # (block, head) items a CTA, unless fewer or more spread them better (_items_split)
-# The kernel counts a batch entry's (block, head) items in int, up to a CTA's items past the last
-# (at most as many again).
-MAX_ITEMS = 2**30
+MAX_ITEMS = 2**31 - 1  # the kernels count a batch entry's (block, head) items in int, never past the last
 
 
 # The compiled (block rows, head dim) pairs: FP8_BLOCK at every head dim, and
