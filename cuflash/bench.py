@@ -23,6 +23,7 @@ tuning options). Without PyTorch, cuflash is timed alone on CuPy arrays.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -370,14 +371,10 @@ def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
         if "sm80" in extra:
             impls["cuflash-sm80"] = lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80")
         if "fp8" in extra:
-            for name, block in (("cuflash-fp8", None), ("cuflash-fp8-block", 128)):
-                (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
-                impls[name] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd: cuflash.attention_fp8(
-                    q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=config.dtype))
-                if block is None:  # out for the error column, the LSE written beside it
-                    impls["cuflash-fp8-lse"] = (lambda q8=q8, k8=k8, v8=v8, qd=qd, kd=kd, vd=vd:
-                                                cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal,
-                                                                      out_dtype=config.dtype, return_lse=True)[0])
+            quantized = {block: [cuflash.quantize_fp8(x, block=block) for x in (q, k, v)] for block in (None, 128)}
+            for name, block, with_lse in (("cuflash-fp8", None, False), ("cuflash-fp8-block", 128, False),
+                                          ("cuflash-fp8-lse", None, True)):
+                impls[name] = functools.partial(_attention_fp8_out, quantized[block], causal, config.dtype, with_lse)
             impls["cuflash-fp8-e2e"] = lambda: cuflash.attention(q, k, v, causal=causal, fp8=True, hadamard=True)
         return impls
     dout = xp.randn(shape, config.dtype, g)
@@ -391,6 +388,16 @@ def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
         impls["cuflash-deterministic"] = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                             deterministic=True)
     return impls
+
+
+def _attention_fp8_out(quantized, causal: bool, out_dtype: str, with_lse: bool):
+    """attention_fp8 on quantize_fp8's (x8, descale) pairs of q, k and v: its out (for the error
+    column; with_lse: the LSE written beside it, then dropped)."""
+    import cuflash
+
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    result = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=out_dtype, return_lse=with_lse)
+    return result[0] if with_lse else result
 
 
 def time_interleaved(xp, impls: dict, reps: int, warmup: int, calls_per_timing: int = 1) -> dict[str, list[float]]:

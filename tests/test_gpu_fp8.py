@@ -92,6 +92,24 @@ def _problem(q8, k8, kw, out_dtype, with_lse=True, **fields):
                              out_dtype=str(out_dtype).removeprefix("torch."), with_lse=with_lse), **fields})
 
 
+def _quantized_inputs(q, k, v, block, hadamard: bool = False, seed: int = 0):
+    """quantize_fp8 of q, k and v with `block` (the transform on q and k only), and the inputs of an
+    attention_fp8_forward problem made of them: (quantized, inputs)."""
+    quantized = (cuflash.quantize_fp8(q, block=block, hadamard=hadamard, seed=seed),
+                 cuflash.quantize_fp8(k, block=block, hadamard=hadamard, seed=seed), cuflash.quantize_fp8(v, block=block))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    return quantized, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def _assert_same_again(problem, inputs, out, lse):
+    """A second poisoned run of `problem` gives out's (and lse's) bits: what moves between identical
+    runs is a race."""
+    again, lse_again = gpu_attention.run_poisoned(problem, inputs, out.shape, None if lse is None else lse.shape,
+                                                  out.dtype)
+    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
+        "results moved between identical runs: a race"
+
+
 def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK):
     """out (and lse, unless None: a call without it) against float64 attention of the dequantized
     inputs (k's and v's block scales per `key_block` rows): out within twice the error of the plain
@@ -183,18 +201,14 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
                for s, h in ((seqlen_q, nheads), (seqlen_k, nheads_kv), (seqlen_k, nheads_kv)))
     k[:, ::7] *= 4  # key blocks with different scales
     v[:, 1::5] *= 3
-    quantized = (cuflash.quantize_fp8(q, block=block, hadamard=hadamard, seed=3),
-                 cuflash.quantize_fp8(k, block=block, hadamard=hadamard, seed=3), cuflash.quantize_fp8(v, block=block))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
-    problem = _problem(q8, k8, kw, out_dtype, with_lse)  # (without: P's row sums may come from the tensor cores)
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    quantized, inputs = _quantized_inputs(q, k, v, block, hadamard, seed=3)
+    # (without the LSE: P's row sums may come from the tensor cores)
+    problem = _problem(inputs["q"], inputs["k"], kw, out_dtype, with_lse)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
     with fp8_row(headdim, row, block):  # which of the head dim's rows (row modulo their number)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, out_dtype)
         _check(out, lse, quantized, kw)
-        again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, out_dtype)
-    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
-        "results moved between identical runs: a race"
+        _assert_same_again(problem, inputs, out, lse)
 
 
 def test_ex2_fma_matches_exp2_within_its_stated_error():
@@ -242,11 +256,9 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    quantized, inputs = _quantized_inputs(q, k, v, block)
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
-    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
     with fp8_row(headdim, row, block):
         _, variant = dispatch.plan(problem, {name: arrays.device_array(x) for name, x in inputs.items()})
         tiles = fp8_rows(headdim, block)[row]
@@ -270,11 +282,9 @@ def test_fp8_long_rows_match_reference(headdim, block, with_lse):
     ragged shapes of the other tests have ~1k keys, where that did not show."""
     g = torch.Generator(device="cuda").manual_seed(headdim)
     q, k, v = (torch.randn(1, 16384, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    quantized, inputs = _quantized_inputs(q, k, v, block)
     kw = dict(causal=False, window=(-1, -1), softmax_scale=None)
-    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
     dispatch.clear_plans()
     out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, 16384) if with_lse else None,
                                           torch.bfloat16)
@@ -303,11 +313,9 @@ def test_fp8_running_max_rising_within_and_beyond_the_stale_margin(row, weight, 
     k[..., 0] = -448.0  # amax 448: the descale is 1, every code exact
     k[:, key_a, :, 0], k[:, key_b, :, 0] = 8.0, 16.0  # scores 8 and 16 times the scale
     v = torch.randn(1, seqlen_k, 2, headdim, device="cuda", generator=g)
-    quantized = tuple(cuflash.quantize_fp8(x.to(torch.bfloat16)) for x in (q, k, v))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    quantized, inputs = _quantized_inputs(*(x.to(torch.bfloat16) for x in (q, k, v)), None)
     kw = dict(causal=False, window=(-1, -1), softmax_scale=math.log(weight) / 8.0)
-    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
     with fp8_row(headdim, row, None):
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, seqlen_q) if with_lse else None,
                                               torch.bfloat16)
@@ -327,14 +335,13 @@ def test_fp8_blocks_and_rows_of_negative_scores(headdim, row, block, with_lse, c
     """test_gpu_fwd's blocks and rows of negative scores (the integer row maxima's fallback,
     gpu_attention.signed_scores_inputs) on every FP8 row, with and without the LSE."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
-    inputs = gpu_attention.signed_scores_inputs((1, 200, 2, headdim), (1, 1100, 2, headdim), g)
-    quantized = tuple(cuflash.quantize_fp8(x.to(torch.bfloat16), block=block) for x in inputs)
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    signed = gpu_attention.signed_scores_inputs((1, 200, 2, headdim), (1, 1100, 2, headdim), g)
+    quantized, inputs = _quantized_inputs(*(x.to(torch.bfloat16) for x in signed), block)
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=4.0)
-    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
     with fp8_row(headdim, row, block):
-        out, lse = gpu_attention.run_poisoned(problem, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd),
-                                              (1, 200, 2, headdim), (1, 2, 200) if with_lse else None, torch.bfloat16)
+        out, lse = gpu_attention.run_poisoned(problem, inputs, (1, 200, 2, headdim), (1, 2, 200) if with_lse else None,
+                                              torch.bfloat16)
     _check(out, lse, quantized, kw)
 
 
@@ -358,13 +365,11 @@ def test_fp8_decode_as_rows_and_split_kv_match_reference(batch, seqlen_q, seqlen
     q[:, :, ::3] *= 5  # query heads of one kv head with different descales
     k[:, ::7] *= 4
     v[:, 1::5] *= 3
-    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    quantized, inputs = _quantized_inputs(q, k, v, block)
     kw = dict(causal=seqlen_q == 1, window=(-1, -1), softmax_scale=None)
-    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
     planned = forward.query_heads_as_rows(problem) or problem
     assert (planned is problem) == (seqlen_q > 1 or nheads == nheads_kv)
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
     dispatch.clear_plans()
     out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
@@ -372,9 +377,7 @@ def test_fp8_decode_as_rows_and_split_kv_match_reference(batch, seqlen_q, seqlen
     assert [(p.seqlen_q, variant.split_kv) for (p, _), (_, variant) in dispatch._plans.items()] == \
         [(planned.seqlen_q, fwd_sm90.split_parts(planned) is not None)]
     _check(out, lse, quantized, kw)
-    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
-    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
-        "results moved between identical runs: a race"
+    _assert_same_again(problem, inputs, out, lse)
 
 
 @hopper_only
@@ -393,19 +396,16 @@ def test_fp8_masked_split_kv_matches_reference(batch, seqlen_q, seqlen_k, nheads
             for _ in range(2))
     k[:, ::7] *= 4
     v[:, 1::5] *= 3
-    quantized = tuple(cuflash.quantize_fp8(x, block=block) for x in (q, k, v))
-    (q8, qd), (k8, kd), (v8, vd) = quantized
+    quantized, inputs = _quantized_inputs(q, k, v, block)
     kw = dict(causal=window == (-1, 0), window=window, softmax_scale=None)
-    problem = _problem(q8, k8, kw, torch.bfloat16)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16)
     assert fwd_sm90.kv_splits(problem) > 1
-    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
     lse_shape = (batch, nheads, seqlen_q)
     dispatch.clear_plans()
     out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
     assert [(variant.split_kv, variant.masked) for _, variant in dispatch._plans.values()] == [(True, True)]
     _check(out, lse, quantized, kw)
-    again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
-    assert torch.equal(again, out) and torch.equal(lse_again, lse), "results moved between identical runs: a race"
+    _assert_same_again(problem, inputs, out, lse)
 
 
 def _v_transposed(v8):
@@ -475,7 +475,7 @@ def _fp8_true_case(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, had
     key_block = reference.fp8_key_block(headdim, seqlen_k)
     with contextlib.nullcontext() if row is None else fp8_row(headdim, row, key_block):
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype, workspace)
-        again, lse_again = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, dtype)
+        _assert_same_again(problem, inputs, out, lse)
     quantized = (_quantize(q, reference.FP8_BLOCK, hadamard), _quantize(k, key_block, hadamard),
                  _quantize(v, key_block, False))
     for name, (x8, descale) in zip("qk", quantized):
@@ -487,8 +487,6 @@ def _fp8_true_case(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, had
     else:
         assert torch.equal(workspace["v8"].view(torch.uint8), quantized[2][0].view(torch.uint8)), "v's codes"
     _check(out, lse, quantized, kw, key_block)
-    assert torch.equal(again, out) and (lse is None or torch.equal(lse_again, lse)), \
-        "results moved between identical runs: a race"
 
 
 @hopper_only
