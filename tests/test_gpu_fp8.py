@@ -565,6 +565,32 @@ def test_fp8_attention_under_jax_jit_matches_torch():
 
 
 @hopper_only
+def test_fp8_true_with_192_row_scales_under_jax_jit_and_torch_compile():
+    """attention(fp8=True) at head dim 128 from 2048 keys (k and v per 192 rows: workspace descales of
+    ceil(2100 / 192) blocks, which JAX declares at trace time and XLA allocates) gives the eager torch
+    call's bits under jax.jit, through cuflash.jax, and through cuflash.torch under torch.compile."""
+    jax = pytest.importorskip("jax")
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q = torch.randn(1, 300, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2100, 2, 128, device="cuda", generator=g, dtype=q.dtype) for _ in range(2))
+    assert reference.fp8_key_block(128, 2100) == reference.FP8_WIDE_KEY_BLOCK
+    kw = dict(causal=True, fp8=True, hadamard=True, return_lse=True)
+    want, want_lse = cuflash.attention(q, k, v, **kw)
+    with torch.no_grad():
+        got, lse = torch.compile(lambda: ct.attention(q, k, v, **kw), fullgraph=True)()
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    import cuflash.jax as cj
+
+    for attention in (cuflash.attention, cj.attention):
+        got, lse = jax.jit(lambda a, b, c: attention(a, b, c, **kw))(*(jax.dlpack.from_dlpack(x) for x in (q, k, v)))
+        assert torch.equal(torch.from_dlpack(got), want) and torch.equal(torch.from_dlpack(lse), want_lse)
+
+
+@hopper_only
 def test_fp8_torch_custom_ops_under_compile_match_the_plain_functions():
     """cuflash.torch's FP8 custom ops under torch.compile(fullgraph=True), V^T workspace included
     (head dim 256 beyond 512 query rows), give the plain functions' bits."""
