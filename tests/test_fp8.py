@@ -543,9 +543,9 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
 def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkeypatch):
     """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows; scales per
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
-    reducing them to its descale, the convert), runs of consecutive (block, head) items spread
-    evenly over one wave of CTAs on grid x, batch on grid y; grids that do not fit are refused by
-    name."""
+    reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
+    grid x (ITEMS_PER_CTA, or the items spread over one wave where that leaves fewer on the busiest
+    SM), batch on grid y; grids that do not fit are refused by name."""
     from cuflash import jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
@@ -610,9 +610,8 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
     """attention(fp8=True)'s op on Hopper (fwd_quantized_sm90): the FP8 forward's own row for the
     problem, pre-transposed (V^T comes from the quantizer), with the tensor-core row sums at head dim
     64 without the LSE; at head dim 128 from 2048 keys the 192-key row, k and v quantized per 192
-    rows; its
-    workspace (e4m3 q, k, V^T and the descales) from the problem alone; empty sequences, head dims
-    that are not multiples of 16 and forced rows of another key block refused."""
+    rows; its workspace (e4m3 q, k, V^T and the descales) from the problem alone; empty sequences,
+    head dims that are not multiples of 16 and forced rows of another key block refused."""
     from cuflash import kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import fwd_sm90, quantized_sm90
