@@ -25,11 +25,16 @@ def _fp8_problem(problem):
     return dataclasses.replace(problem, op="attention_fp8_forward", dtype=FP8, fp8_block=None, hadamard_seed=None)
 
 
+def _key_block(problem) -> int:
+    """Rows per k and v scale of this call (reference.fp8_key_block), the key block of its row."""
+    return reference.fp8_key_block(problem.headdim, problem.seqlen_k)
+
+
 def _quantize_problem(problem, name: str):
     """The quantize_fp8 problem of q, k or v: one scale per FP8_BLOCK rows of q, per
     reference.fp8_key_block rows of k and v; q and k with the call's transform."""
     seqlen, nheads = (problem.seqlen_q, problem.nheads) if name == "q" else (problem.seqlen_k, problem.nheads_kv)
-    block = reference.FP8_BLOCK if name == "q" else reference.fp8_key_block(problem.headdim, problem.seqlen_k)
+    block = reference.FP8_BLOCK if name == "q" else _key_block(problem)
     return dataclasses.replace(problem, op="quantize_fp8", seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads,
                                nheads_kv=nheads, fp8_block=block, causal=False, window_left=-1,
                                window_right=-1, out_dtype=None,
@@ -49,7 +54,7 @@ def _tiles(problem) -> tuple[int, int, int, str, str, bool]:
     forced = fwd_sm90.fp8_forced_row(headdim)
     if forced is not None:
         return forced
-    if reference.fp8_key_block(headdim, problem.seqlen_k) != reference.FP8_BLOCK:
+    if _key_block(problem) != reference.FP8_BLOCK:
         return fwd_sm90.FP8_PER_HEAD_TILES[headdim]
     return (*fwd_sm90.fp8_tiles(_fp8_problem(problem))[:5], True)
 
@@ -58,7 +63,7 @@ def workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
     """q8, k8 and v's e4m3 copy (V^T for a pre-transposed row, else v8), and the three descales."""
     b, sq, sk, h, hkv, d = (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads, problem.nheads_kv,
                             problem.headdim)
-    key_blocks = reference.fp8_blocks(sk, reference.fp8_key_block(d, sk))
+    key_blocks = reference.fp8_blocks(sk, _key_block(problem))
     buffers = {"q8": ((b, sq, h, d), FP8), "k8": ((b, sk, hkv, d), FP8),
                "q_descale": ((b, h, reference.fp8_blocks(sq)), "float32"),
                "k_descale": ((b, hkv, key_blocks), "float32"), "v_descale": ((b, hkv, key_blocks), "float32")}
@@ -86,7 +91,7 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
     fp8 = _fp8_problem(problem)
     tiles = _tiles(problem)
     headdim = compiled_headdim(problem.headdim, fwd_sm90.FP8_HEADDIMS)
-    key_block = reference.fp8_key_block(headdim, problem.seqlen_k)
+    key_block = _key_block(problem)
     if tiles[1] != key_block:
         raise ValueError(f"{FAMILY_NAME} quantizes k and v per {key_block} rows at head dim {problem.headdim}: a "
                          f"forced row of {tiles[1]} keys cannot take them")
@@ -115,7 +120,7 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
     if variant.v_pretransposed:
         headdim = compiled_headdim(problem.headdim, quantize_fp8.HEADDIMS)
         quantizer = quantize_fp8.QuantizeFp8TransposedVariant(
-            problem.dtype, reference.fp8_key_block(headdim, problem.seqlen_k), headdim,
+            problem.dtype, _key_block(problem), headdim,
             rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES))
         launch_v = quantize_fp8.prepare_transposed(quantizer, jit.get_function(quantizer, index), index, problem.batch,
                                                    problem.seqlen_k, problem.nheads_kv, problem.headdim, inputs["v"],
