@@ -249,7 +249,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 // columns from col0 on, relative to the sequence); scale: each row's log2-domain score scale.
 // Returns each row's O rescale factor in correction. kN is the block's width, or kHalfTop's half.
 template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, bool kIntMax, int kFmaEvery,
-          int kSAcc>
+          bool kFmaPairs, int kSAcc>
 __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, int row, int col0, const Tile& t,
                                               int window_left, int window_right, float softcap_exp2_scale,
                                               float softcap, const float (&scale)[2], float (&row_max)[2],
@@ -287,7 +287,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
   for (int hf = 0; hf < 2; ++hf) {
     if constexpr (!kIntMax) block_max[hf] = quad_row_max<kN / 4, kMaxChains>(row_scores(hf));
     // kFmaFactor = kIntMax: beside the integer maxima, ex2_fma's bit add made ptxas serialise the wgmmas
-    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax>(
+    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax, kFmaPairs>(
         row_scores(hf), block_max[hf], row_max[hf], row_sum[hf], scale[hf]);
   }
 }
@@ -295,7 +295,8 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 // T: the element type of q, k and v (fp16, bf16 or e4m3); TOut: of O (T, or fp16/bf16 for e4m3).
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
-          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV, int kExpOnFma>
+          bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV, int kExpOnFma,
+          bool kExpFmaPairs>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -385,7 +386,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   constexpr int kMaxChains = kFp8 && kHeadDim == 256 ? 4 : 1;
   // kExpOnFma > 0: every kExpOnFma-th exponential of a thread's row on the FMA pipe (ex2_fma), the
   // rest on the special-function unit (e4m3, where measured to pay: fwd_sm90.py, FP8_EXP_ON_FMA).
+  // kExpFmaPairs: every kExpOnFma-th pair of a row's columns instead, both exponentials at once in
+  // f16x2 arithmetic (ex2x2_fma_f16, accurate enough for the LSE: FP8_LSE_EXP_PAIRS).
   static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
+  static_assert(!kExpFmaPairs || kExpOnFma > 0, "kExpFmaPairs says how kExpOnFma's exponentials are taken");
   // kIntMax: the row maxima as three-input integer maxima of the scores' bits (quad_row_max_bits,
   // half the instructions of the FMNMX chain, in kMaxChains chains; block_softmax), bitwise the
   // same results (the outputs compared on every row measured). Measured on H200 against the FMNMX
@@ -874,13 +878,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const int row = t.m0 + wg * 64 + row_in_wg, col0 = n * kBlockN + 2 * (lane % 4);
         if constexpr (kHalfTop) {
           if (half) {
-            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma>(
+            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs>(
                 s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
                 row_sum, correction);
             return;
           }
         }
-        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma>(
+        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs>(
             s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
             row_sum, correction);
       };

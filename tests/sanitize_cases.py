@@ -98,7 +98,7 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         # or beforehand into a workspace (head dim 256 beyond 512 query rows or from 256 with no more
         # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; there,
         # with per-head descales, the wider blocks of FP8_PER_HEAD_TILES)
-        for shape_q, shape_k, block, causal in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
+        for shape_q, shape_k, block, causal, *lse in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
                                                 ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
                                                 ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
                                                 ((2, 400, 4, 64), (2, 333, 2, 64), None, True),
@@ -115,6 +115,11 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 # (the two causal ones just above, at 64, too)
                                                 ((1, 2100, 2, 128), (1, 2200, 1, 128), None, False),
                                                 ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False),
+                                                # returning the LSE (a fifth field): FP8_LSE_EXP_PAIRS'
+                                                # rows, exponential pairs on the FMA pipe
+                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False, True),
+                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, True, True),
+                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False, True),
                                                 # decode steps: query heads as rows (q's descales one a
                                                 # row: a split variant, in one part for few keys) and
                                                 # split-KV; MHA split
@@ -128,8 +133,10 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                 ((1, 4, 8, 64), (1, 5000, 1, 64), 128, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
-            out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal)
-            print("fwd_fp8_sm90", shape_q, shape_k, block, causal, "ran; max |out| =", float(out.abs().max()))
+            out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal, return_lse=bool(lse))
+            out = out[0] if lse else out
+            print("fwd_fp8_sm90", shape_q, shape_k, block, causal, "LSE" if lse else "", "ran; max |out| =",
+                  float(out.abs().max()))
         # attention(fp8=True) (fwd_quantized_sm90: q and k quantized, v straight into V^T, then the
         # FP8 forward) on CuPy arrays: its e4m3 copies held as uint8 bits; ragged key tails (V^T's
         # padding keys), GQA, misaligned v rows (element loads), and each head dim

@@ -513,20 +513,30 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
         dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
     # Calls without the LSE take some exponentials on the FMA pipe on FP8_EXP_ON_FMA's rows (head dim
-    # 128's rows, 64's row-sums row), unmasked and masked as it says; calls with it, other rows and
-    # 16-bit variants none.
-    def exp_on_fma(p, inputs_changed=None, **changes):
+    # 128's rows, 64's row-sums row), unmasked and masked as it says; calls with it some pairs of them
+    # (exp_fma_pairs) on FP8_LSE_EXP_PAIRS' rows; other rows and 16-bit variants none.
+    def on_fma(p, inputs_changed=None, **changes):
         p = dataclasses.replace(p, **changes)
-        return fwd_sm90.select_fp8(p, {**inputs(p), **(inputs_changed or {})}).exp_on_fma
+        variant = fwd_sm90.select_fp8(p, {**inputs(p), **(inputs_changed or {})})
+        return variant.exp_on_fma, variant.exp_fma_pairs
 
     for long, tiles in ((long_128, fwd_sm90.FP8_PER_HEAD_TILES[128]), (long_64, fwd_sm90.FP8_TILES[64][1][1])):
         every = fwd_sm90.FP8_EXP_ON_FMA[(long.headdim, tiles)]
-        assert (exp_on_fma(long, with_lse=False), exp_on_fma(long, with_lse=False, window_right=0)) == every
-        assert exp_on_fma(long) == 0 == exp_on_fma(long, window_right=0)
-    assert all(max(every) > 0 for every in fwd_sm90.FP8_EXP_ON_FMA.values())  # (an entry of zeros says nothing)
-    narrow = fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_TILES[128][1][1])][0]  # the 128-key row at 128
-    assert exp_on_fma(long_128, dict(k_descale=per_block, v_descale=per_block), with_lse=False) == narrow > 0
-    assert exp_on_fma(problem, with_lse=False) == 0  # head dim 256
+        assert (on_fma(long, with_lse=False), on_fma(long, with_lse=False, window_right=0)) == (
+            (every[0], False), (every[1], False))
+        assert on_fma(long) == (0, False) == on_fma(long, window_right=0)  # with the LSE: the per-head rows
+    for table in (fwd_sm90.FP8_EXP_ON_FMA, fwd_sm90.FP8_LSE_EXP_PAIRS):
+        assert all(max(every) > 0 for every in table.values())  # (an entry of zeros says nothing)
+    blocks = dict(k_descale=per_block, v_descale=per_block)  # the 128-key rows beyond 2k (4k at 64) rows
+    narrow = fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_TILES[128][1][1])][0]
+    assert on_fma(long_128, blocks, with_lse=False) == (narrow, False) and narrow > 0
+    for long in (long_128, long_64):
+        pairs = fwd_sm90.FP8_LSE_EXP_PAIRS[(long.headdim, fwd_sm90.FP8_TILES[long.headdim][1][1])]
+        assert (on_fma(long, blocks), on_fma(long, blocks, window_right=0)) == (
+            (pairs[0], pairs[0] > 0), (pairs[1], pairs[1] > 0)) and pairs[0] > 0
+    assert on_fma(problem, with_lse=False) == (0, False) == on_fma(problem)  # head dim 256
+    with pytest.raises(ValueError, match="exp_fma_pairs says how exp_on_fma's exponentials are taken"):
+        dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), exp_fma_pairs=True).check()
     with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):
         fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False, False, True,
                                 False, False, exp_on_fma=4).check()

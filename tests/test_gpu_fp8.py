@@ -244,6 +244,47 @@ extern "C" __global__ void both(const float* x, float* fma, float* unit, int n) 
     assert np.abs(unit[normal] / exact - 1).max() <= 1e-6  # (the yardstick: the unit's own)
 
 
+def test_ex2x2_fma_f16_matches_exp2_within_its_stated_error():
+    """cuda_src/common/sm80.cuh's ex2x2_fma_f16<8> (2^(x + 8) of two floats in f16x2 arithmetic, the
+    FMA-pipe exponentials of FP8_EXP_ON_FMA's rows) on every float32 step of [-24, 7] at 2^-12, both
+    halves of a pair differing, and the edges: relative error at most 6e-4 (the cubic: 5.5e-4) plus what
+    rounding x to a half costs (ln 2 times half its spacing, at most 2^-11 |x|), mean within 1e-4
+    over [-8, 0] (P from 1 to 2^8, the weights that count); exactly 0 below -22.5, and for -inf and
+    NaN; never above 2^15."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import jit
+
+    source = """#include "common/sm80.cuh"
+extern "C" __global__ void pairs(const float* x, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (2 * i + 1 < n) {
+    const float2 both = cuflash::ex2x2_fma_f16<8>(x[2 * i], x[2 * i + 1]);
+    out[2 * i] = both.x;
+    out[2 * i + 1] = both.y;
+  }
+}"""
+    arch = jit.arch_for(jit.device_compute_capability(cupy.cuda.Device().id))
+    kernel = cupy.RawModule(code=source, options=jit.compile_options(arch)).get_function("pairs")
+    steps = np.arange(-24 * 4096, 7 * 4096 + 1) / 4096.0
+    edges = [-np.inf, np.nan, -1e30, -23.0, -22.51, -22.5, -22.49, -22.0, -14.5, -8.0, -1e-7, -0.0, 0.0, 1e-7, 7.0]
+    # pairs of different values: each step beside its mirror in the range
+    x = np.stack([steps, steps[::-1]], axis=1).ravel()
+    x = np.concatenate([x, edges, edges[::-1]]).astype(np.float32)
+    out = cupy.full(x.shape, np.nan, np.float32)
+    kernel(((x.size // 2 + 255) // 256,), (256,), (cupy.asarray(x), out, np.int32(x.size)))
+    out = cupy.asnumpy(out).astype(np.float64)
+    assert np.isfinite(out).all() and (out >= 0).all() and out.max() <= 2.0**15
+    dead = ~(x >= -22.5)  # below -22.5, -inf and NaN
+    assert (out[dead] == 0).all(), x[dead][out[dead] != 0]
+    normal = x >= -22  # results at least 2^-14: fp16's normal range
+    exact = np.exp2(x[normal].astype(np.float64) + 8)
+    rel = out[normal] / exact - 1
+    bound = 6e-4 + math.log(2) * 2.0**-11 * np.abs(x[normal])
+    assert (np.abs(rel) <= bound).all(), (x[normal][np.abs(rel) > bound][:5], rel[np.abs(rel) > bound][:5])
+    weighty = (x[normal] >= -8) & (x[normal] <= 0)
+    assert abs(rel[weighty].mean()) <= 1e-4, rel[weighty].mean()
+
+
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_lse", [True, False])
@@ -252,7 +293,8 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
     """Each row the kernel may take (fp8_rows) on a shape with ragged tails (keys not a multiple of
     16 or of a block), GQA, causal or not, with per-block and per-head descales, returning the LSE
     or not (then, at head dims 64 and 128, P's row sums come from the tensor cores and, on
-    FP8_EXP_ON_FMA's rows, some exponentials from the FMA pipe)."""
+    FP8_EXP_ON_FMA's rows, some exponentials from the FMA pipe; with it, on FP8_LSE_EXP_PAIRS' rows,
+    some pairs of them in f16x2)."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
@@ -263,8 +305,8 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
         _, variant = dispatch.plan(problem, {name: arrays.device_array(x) for name, x in inputs.items()})
         tiles = fp8_rows(headdim, block)[row]
         assert variant.tensor_row_sums == (not with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles))
-        every = fwd_sm90.FP8_EXP_ON_FMA.get((headdim, tiles), (0, 0))[causal]
-        assert variant.exp_on_fma == (0 if with_lse else every)
+        every = (fwd_sm90.FP8_LSE_EXP_PAIRS if with_lse else fwd_sm90.FP8_EXP_ON_FMA).get((headdim, tiles), (0, 0))
+        assert (variant.exp_on_fma, variant.exp_fma_pairs) == (every[causal], with_lse and every[causal] > 0)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (2, 4, 333) if with_lse else None,
                                               torch.bfloat16)
     _check(out, lse, quantized, kw)

@@ -144,16 +144,31 @@ __device__ __forceinline__ float online_softmax_max(float block_max, float& row_
 }
 
 // The exponentials 2^(score * scale_log2 - base) of kCols scores in place, each added to sum.
-// kFmaEvery > 0: those of every kFmaEvery-th column from the first on the FMA pipe (ex2_fma<kFmaFactor>),
-// the rest on the special-function unit. (fwd_sm80's fused P V calls it a 16-key slice at a time,
-// with online_softmax_max's base.)
-template <int kCols, int kFmaEvery = 0, bool kFmaFactor = false, typename Score>
+// kFmaEvery > 0: some of them on the FMA pipe, the rest on the special-function unit: every
+// kFmaEvery-th column from the first (ex2_fma<kFmaFactor>), or, kFmaPairs, both columns of every
+// kFmaEvery-th pair (2i, 2i + 1) from the first (ex2x2_fma_f16, on the scores less base + kExpOffset,
+// times 2^kExpOffset). (fwd_sm80's fused P V calls it a 16-key slice at a time, with
+// online_softmax_max's base.)
+template <int kCols, int kFmaEvery = 0, bool kFmaFactor = false, bool kFmaPairs = false, int kExpOffset = 0,
+          typename Score>
 __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_log2, float base, float& sum) {
-  static_assert(kFmaEvery >= 0, "kFmaEvery: 0, or every how many-th column");
+  static_assert(kFmaEvery >= 0, "kFmaEvery: 0, or every how many-th column or pair");
+  static_assert(!kFmaPairs || kCols % 2 == 0, "whole pairs of columns");
+  constexpr int kEvery = kFmaEvery > 0 ? kFmaEvery : 1;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     float& x = score(c);
-    if (kFmaEvery > 0 && c % (kFmaEvery > 0 ? kFmaEvery : 1) == 0)
+    if (kFmaPairs && kFmaEvery > 0 && c / 2 % kEvery == 0) {
+      if (c % 2 == 0) {  // both of the pair, against the row's maximum itself (the finest halves near it)
+        const float top = base + kExpOffset;
+        const float2 both = ex2x2_fma_f16<kExpOffset>(fmaf(x, scale_log2, -top), fmaf(score(c + 1), scale_log2, -top));
+        x = both.x;
+        score(c + 1) = both.y;
+        sum += both.x + both.y;
+      }
+      continue;
+    }
+    if (!kFmaPairs && kFmaEvery > 0 && c % kEvery == 0)
       x = ex2_fma<kFmaFactor>(fmaf(x, scale_log2, -base));
     else
       x = ex2(fmaf(x, scale_log2, -base));
@@ -162,13 +177,13 @@ __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_lo
 }
 
 template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kFmaEvery = 0, bool kFmaFactor = false,
-          typename Score>
+          bool kFmaPairs = false, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float block_max, float& row_max, float& row_sum,
                                                     float scale_log2) {
   float m;
   const float correction = online_softmax_max<kStaleMax>(block_max, row_max, scale_log2, m);
   float sum = 0.f;
-  online_softmax_exp<kCols, kFmaEvery, kFmaFactor>(score, scale_log2, m - kExpOffset, sum);
+  online_softmax_exp<kCols, kFmaEvery, kFmaFactor, kFmaPairs, kExpOffset>(score, scale_log2, m - kExpOffset, sum);
   row_sum = row_sum * correction + sum;
   return correction;
 }

@@ -184,6 +184,19 @@ FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1])
                   (64, pretransposed(FP8_TILES[64][0][1])): (12, 0),
                   (128, FP8_PER_HEAD_TILES[128]): (8, 6), (128, FP8_TILES[128][1][1]): (6, 8),
                   (128, FP8_TILES[128][0][1]): (8, 8), (128, pretransposed(FP8_TILES[128][0][1])): (6, 0)}
+# e4m3, calls that return the LSE, per (compiled head dim, tile row): (unmasked, masked) every this
+# many-th pair of a thread's row's columns with both exponentials on the FMA pipe in f16x2 arithmetic
+# (the kernel's kExpOnFma with kExpFmaPairs; ex2x2_fma_f16: a cubic, relative error 5.5e-4 near the
+# row's maximum, where ex2_fma's quadratic, 2.1e-3, would reach the LSE's bound, so these calls had
+# every exponential on the unit). Measured on H200 against that (NOTES-fp8.md, session 46):
+# - head dim 128, per-128-row descales beyond 2k rows: every 6th +3.5% at 4k, +4.2-4.6% at 16k,
+#   masked +2.7-3.4% at 16k (every 3rd -2%, 4th, 5th and masked 4th and 8th less than every 6th);
+# - head dim 64, per-128-row descales beyond 4k rows: every 8th +1.5% at 16k (every 4th ±0).
+# Not taken: the per-head 192-key row at 128 (-1 to -7%: the pairs cost it its stale maximum, which
+# the kernel keeps only without FMA-pipe exponentials), the 128-key rows up to 2k rows (-1 to -2%),
+# the per-head row at 64 (-6 to -9%), head dim 256 (-2%). In place of ex2_fma on FP8_EXP_ON_FMA's
+# rows the pairs measured -5% to +0.4% (-2.6 to -3.5% on the per-head row at 128 at its count).
+FP8_LSE_EXP_PAIRS = {(128, FP8_TILES[128][1][1]): (6, 6), (64, FP8_TILES[64][1][1]): (8, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
@@ -271,6 +284,7 @@ class FwdSm90Variant(Variant):
     tensor_row_sums: bool = False  # e4m3 without the LSE: P V sums P's rows too (FP8_TENSOR_ROW_SUMS)
     split_kv: bool = False  # tiles split by key blocks into float32 partials, then combine_splits (kv_splits)
     exp_on_fma: int = 0  # e4m3: every this many-th exponential of a row on the FMA pipe, 0: none (FP8_EXP_ON_FMA)
+    exp_fma_pairs: bool = False  # exp_on_fma counts pairs of columns, each in f16x2 (FP8_LSE_EXP_PAIRS)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -296,6 +310,8 @@ class FwdSm90Variant(Variant):
         if self.exp_on_fma < 0 or (self.exp_on_fma and not fp8):
             raise ValueError(f"fwd_sm90: exp_on_fma={self.exp_on_fma}: every how many-th exponential goes to the FMA "
                              "pipe, 0 for none; e4m3 only")
+        if self.exp_fma_pairs and not self.exp_on_fma:
+            raise ValueError("fwd_sm90: exp_fma_pairs says how exp_on_fma's exponentials are taken: give exp_on_fma")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
@@ -359,7 +375,7 @@ class FwdSm90Variant(Variant):
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers),
-                cxx_bool(self.split_kv), str(self.exp_on_fma))
+                cxx_bool(self.split_kv), str(self.exp_on_fma), cxx_bool(self.exp_fma_pairs))
 
 
 @dataclass(frozen=True)
@@ -736,10 +752,12 @@ def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bo
     """The e4m3 (whole, not split) variant of this tile row for a call with this (pass_by, masked)
     (mask_fields) that returns the LSE or not: without it, P's row sums on the tensor cores where they
     fit (FP8_TENSOR_ROW_SUMS) and, on the rows FP8_EXP_ON_FMA names, some exponentials on the FMA
-    pipe."""
-    exp_on_fma = 0 if with_lse else FP8_EXP_ON_FMA.get((headdim, tuple(tiles)), (0, 0))[mask[1]]
+    pipe; with it, on FP8_LSE_EXP_PAIRS' rows, some pairs of them there in f16x2."""
+    row = (headdim, tuple(tiles))
+    exp_on_fma = (FP8_LSE_EXP_PAIRS if with_lse else FP8_EXP_ON_FMA).get(row, (0, 0))[mask[1]]
     return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, *mask, tiles[5],
-                             not with_lse and tensor_row_sums_fit(headdim, tiles), exp_on_fma=exp_on_fma)
+                             not with_lse and tensor_row_sums_fit(headdim, tiles), exp_on_fma=exp_on_fma,
+                             exp_fma_pairs=with_lse and exp_on_fma > 0)
 
 
 def fp8_row_variants(out_dtype: str, headdim: int, tiles: tuple) -> tuple[FwdSm90Variant, ...]:
