@@ -179,7 +179,7 @@ def pretransposed(tiles: tuple) -> tuple:
 # Not taken: head dim 256 -1 to -13%; 16 bits -5 to -19%. The quadratic's relative error, up to
 # 2.1e-3, is below e4m3's rounding of P (O's error against float64 measured the same with and
 # without, session 40) but would reach the LSE of a row with few keys (whose bound is 1e-3), so
-# calls that return the LSE keep the unit's exponentials.
+# calls that return the LSE take the unit's exponentials, or FP8_LSE_EXP_PAIRS' cubic.
 FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1]): (12, 0),
                   (64, pretransposed(FP8_TILES[64][0][1])): (12, 0),
                   (128, FP8_PER_HEAD_TILES[128]): (8, 6), (128, FP8_TILES[128][1][1]): (6, 8),
