@@ -153,45 +153,6 @@ __device__ __forceinline__ float ex2_fma(float x) {
   }
 }
 
-// The f16x2 instructions ex2x2_fma_f16 takes: a register holds two halves, the first value low.
-__device__ __forceinline__ unsigned f16x2_of(float hi, float lo) {
-  unsigned d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-__device__ __forceinline__ unsigned f16x2_max(unsigned a, unsigned b) {
-  unsigned d;
-  asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned f16x2_add(unsigned a, unsigned b) {
-  unsigned d;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned f16x2_sub(unsigned a, unsigned b) {
-  unsigned d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned f16x2_mul(unsigned a, unsigned b) {
-  unsigned d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned f16x2_fma(unsigned a, unsigned b, unsigned c) {
-  unsigned d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ float2 floats_of_f16x2(unsigned x) {  // (low half, high half)
-  float lo, hi;
-  asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
-      : "=f"(lo), "=f"(hi)
-      : "r"(x));
-  return make_float2(lo, hi);
-}
-
 // The bits of the half equal to v, an integer in [1, 2048) (exact there).
 __host__ __device__ constexpr unsigned half_bits_of(unsigned v) {
   unsigned e = 0;
@@ -207,12 +168,13 @@ static_assert(half_bits_of(1) == 0x3C00u && half_bits_of(23) == 0x4DC0u && half_
 // from adding 1536 + 15 + kScale (the sum's low mantissa bits then hold n + 15 + kScale, 2^(n +
 // kScale)'s exponent field) and f in [-1/2, 1/2] exactly; 2^f from a cubic fitted in half arithmetic
 // on the halves f can be (largest relative error 5.5e-4, mean 3e-5), times 2^(n + kScale) built
-// from those bits; then both to float. Rounding x to a half adds up to ln 2 * 2^-11 |x| (1.4e-3 for x
-// in (-8, -4]). x is clamped at -(15 + kScale) first, so that the field
-// never goes negative: -inf and NaN give 0, and so does every x below -(14.5 + kScale), whose
-// results would lie below fp16's normal range (e4m3 flushes far above it). x + kScale at most 15.
-// The results go back to float, not on as f16x2: f16x2 values in the S accumulators, or P packed
-// to e4m3 from them, made ptxas serialise the wgmmas of fwd_sm90 (C7511, NVRTC 12.9).
+// from those bits; then both to float. Rounding x to a half adds up to ln 2 * 2^-11 |x| (1.4e-3 for
+// x in (-8, -4]). x is clamped at -(15 + kScale) first, so that the field never goes negative: -inf
+// and NaN give 0, and so does every x below -(14.5 + kScale), whose results would lie below fp16's
+// normal range (e4m3 flushes far above it). x + kScale at most 15. The results go back to float, not
+// on as f16x2: f16x2 values in the S accumulators, or P packed to e4m3 from them, made ptxas
+// serialise the wgmmas of fwd_sm90 (C7511, NVRTC 12.9). One asm block: ptxas schedules its
+// instructions among the caller's as it would separate ones.
 template <int kScale>
 __device__ __forceinline__ float2 ex2x2_fma_f16(float x_lo, float x_hi) {
   static_assert(kScale >= 0 && kScale <= 15, "2^kScale * P within fp16's range; the exponent field within 5 bits");
@@ -220,13 +182,30 @@ __device__ __forceinline__ float2 ex2x2_fma_f16(float x_lo, float x_hi) {
   constexpr unsigned kBias = 15 + kScale;
   constexpr unsigned kMagic = half_bits_of(1536 + kBias) * kPair;  // its binade has a unit step
   constexpr unsigned kLowest = (0x8000u | half_bits_of(kBias)) * kPair;  // -kBias
-  const unsigned x = f16x2_max(f16x2_of(x_hi, x_lo), kLowest);
-  const unsigned m = f16x2_add(x, kMagic);
-  const unsigned f = f16x2_sub(x, f16x2_sub(m, kMagic));
-  unsigned p = f16x2_fma(0x2B10u * kPair, f, 0x33C1u * kPair);  // 0.05517578125 f + 0.2423095703125
-  p = f16x2_fma(p, f, 0x398Cu * kPair);                         // (...) f + 0.693359375
-  p = f16x2_fma(p, f, 0x3C00u * kPair);                         // (...) f + 1
-  return floats_of_f16x2(f16x2_mul(p, (m << 10) & 0x7C007C00u));  // times 2^(n + kScale): the field, shifted
+  float lo, hi;
+  asm("{\n"
+      ".reg .b32 x, m, f, p, e;\n"
+      ".reg .f16 l, h;\n"
+      "cvt.rn.f16x2.f32 x, %3, %2;\n"
+      "max.f16x2 x, x, %4;\n"
+      "add.rn.f16x2 m, x, %5;\n"  // n + kBias in m's low mantissa bits
+      "sub.rn.f16x2 f, m, %5;\n"  // n
+      "sub.rn.f16x2 f, x, f;\n"   // x - n, exactly
+      "fma.rn.f16x2 p, %6, f, %7;\n"
+      "fma.rn.f16x2 p, p, f, %8;\n"
+      "fma.rn.f16x2 p, p, f, %9;\n"
+      "shl.b32 e, m, 10;\n"  // the field into each half's exponent: 2^(n + kScale)
+      "and.b32 e, e, 0x7C007C00;\n"
+      "mul.rn.f16x2 p, p, e;\n"
+      "mov.b32 {l, h}, p;\n"
+      "cvt.f32.f16 %0, l;\n"
+      "cvt.f32.f16 %1, h;\n"
+      "}"
+      : "=f"(lo), "=f"(hi)
+      : "f"(x_lo), "f"(x_hi), "r"(kLowest), "r"(kMagic),
+        // the cubic's coefficients (of f^3, f^2, f, 1): 0.05517578125, 0.2423095703125, 0.693359375, 1
+        "r"(0x2B10u * kPair), "r"(0x33C1u * kPair), "r"(0x398Cu * kPair), "r"(0x3C00u * kPair));
+  return make_float2(lo, hi);
 }
 
 }  // namespace cuflash
