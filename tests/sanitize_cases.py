@@ -99,38 +99,38 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
         # keys, 128 beyond 2048, 64 beyond 4096: fwd_sm90.FP8_TILES, FP8_SHORT_KEYS_PRETRANSPOSED; there,
         # with per-head descales, the wider blocks of FP8_PER_HEAD_TILES)
         for shape_q, shape_k, block, causal, *lse in (((2, 300, 4, 128), (2, 333, 2, 128), 128, True),
-                                                ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
-                                                ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
-                                                ((2, 400, 4, 64), (2, 333, 2, 64), None, True),
-                                                ((1, 300, 4, 128), (1, 2100, 2, 128), 128, True),
-                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), None, True),
-                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False),
-                                                ((1, 600, 2, 256), (1, 2061, 1, 256), None, False),
-                                                ((2, 300, 2, 256), (2, 290, 1, 256), None, True),
-                                                ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
-                                                ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True),
-                                                # unmasked, without the LSE: FP8_EXP_ON_FMA's rows
-                                                # (the two causal ones just above, at 64, too)
-                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), None, False),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False),
-                                                # returning the LSE (a fifth field): FP8_LSE_EXP_PAIRS'
-                                                # rows, exponential pairs on the FMA pipe
-                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False, True),
-                                                ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, True, True),
-                                                ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False, True),
-                                                # decode steps: query heads as rows (q's descales one a
-                                                # row: a split variant, in one part for few keys) and
-                                                # split-KV; MHA split
-                                                ((1, 1, 16, 128), (1, 5000, 4, 128), 128, True),
-                                                ((4, 1, 32, 64), (4, 700, 8, 64), None, True),
-                                                ((2, 1, 8, 256), (2, 3000, 8, 256), None, True),
-                                                # speculative steps of a few causal rows: the masked
-                                                # split variants (at head dim 256 passing blocks by)
-                                                ((1, 4, 8, 128), (1, 6000, 2, 128), 128, True),
-                                                ((1, 3, 2, 256), (1, 2500, 1, 256), None, True),
-                                                ((1, 4, 8, 64), (1, 5000, 1, 64), 128, True)):
+                                                      ((1, 129, 2, 256), (1, 257, 1, 256), None, False),
+                                                      ((1, 64, 2, 64), (1, 1, 2, 64), 128, False),
+                                                      ((2, 400, 4, 64), (2, 333, 2, 64), None, True),
+                                                      ((1, 300, 4, 128), (1, 2100, 2, 128), 128, True),
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), None, True),
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False),
+                                                      ((1, 600, 2, 256), (1, 2061, 1, 256), None, False),
+                                                      ((2, 300, 2, 256), (2, 290, 1, 256), None, True),
+                                                      ((2, 700, 2, 256), (2, 555, 2, 256), 128, True),
+                                                      ((1, 200, 2, 64), (1, 4099, 2, 64), 128, False),
+                                                      ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, True),
+                                                      ((1, 4100, 2, 64), (1, 4111, 1, 64), None, True),
+                                                      # unmasked, without the LSE: FP8_EXP_ON_FMA's rows
+                                                      # (the two causal ones just above, at 64, too)
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), None, False),
+                                                      ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False),
+                                                      # returning the LSE (a fifth field): FP8_LSE_EXP_PAIRS'
+                                                      # rows, exponential pairs on the FMA pipe
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False, True),
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, True, True),
+                                                      ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False, True),
+                                                      # decode steps: query heads as rows (q's descales one a
+                                                      # row: a split variant, in one part for few keys) and
+                                                      # split-KV; MHA split
+                                                      ((1, 1, 16, 128), (1, 5000, 4, 128), 128, True),
+                                                      ((4, 1, 32, 64), (4, 700, 8, 64), None, True),
+                                                      ((2, 1, 8, 256), (2, 3000, 8, 256), None, True),
+                                                      # speculative steps of a few causal rows: the masked
+                                                      # split variants (at head dim 256 passing blocks by)
+                                                      ((1, 4, 8, 128), (1, 6000, 2, 128), 128, True),
+                                                      ((1, 3, 2, 256), (1, 2500, 1, 256), None, True),
+                                                      ((1, 4, 8, 64), (1, 5000, 1, 64), 128, True)):
             q, k = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_k))
             (q8, qd), (k8, kd) = cuflash.quantize_fp8(q, block=block), cuflash.quantize_fp8(k, block=block)
             out = cuflash.attention_fp8(q8, k8, k8, qd, kd, kd, causal=causal, return_lse=bool(lse))

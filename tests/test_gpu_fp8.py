@@ -246,9 +246,9 @@ extern "C" __global__ void both(const float* x, float* fma, float* unit, int n) 
 
 def test_ex2x2_fma_f16_matches_exp2_within_its_stated_error():
     """cuda_src/common/sm80.cuh's ex2x2_fma_f16<8> (2^(x + 8) of two floats in f16x2 arithmetic, the
-    FMA-pipe exponentials of FP8_EXP_ON_FMA's rows) on every float32 step of [-24, 7] at 2^-12, both
-    halves of a pair differing, and the edges: relative error at most 6e-4 (the cubic: 5.5e-4) plus what
-    rounding x to a half costs (ln 2 times half its spacing, at most 2^-11 |x|), mean within 1e-4
+    FMA-pipe exponentials of FP8_LSE_EXP_PAIRS' rows) on every float32 step of [-24, 7] at 2^-12,
+    both halves of a pair differing, and the edges: relative error at most 6e-4 (the cubic: 5.5e-4)
+    plus what rounding x to a half costs (ln 2 times half its spacing, at most 2^-11 |x|), mean within 1e-4
     over [-8, 0] (P from 1 to 2^8, the weights that count); exactly 0 below -22.5, and for -inf and
     NaN; never above 2^15."""
     cupy = pytest.importorskip("cupy")
