@@ -251,9 +251,7 @@ def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
         hadamard = case.features["hadamard"]
         out, lse = api.attention(put(q), put(k), put(v), fp8=True, hadamard=hadamard, return_lse=True,
                                  backend=backend, **features)
-        seed, key_block = api._FP8_SEED if hadamard else None, reference.fp8_key_block(case.headdim, case.seqlen_k)
-        q, k, v = (reference.dequantize_fp8(*reference.quantize_fp8(x, block, s), block) for x, block, s in
-                   ((q, reference.FP8_BLOCK, seed), (k, key_block, seed), (v, key_block, None)))
+        q, k, v = reference.quantized_inputs(q, k, v, api._FP8_SEED if hadamard else None)
     else:
         quantized = [api.quantize_fp8(put(x), block=case.features["block"]) for x in (q, k, v)]
         out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,

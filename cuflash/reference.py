@@ -79,6 +79,7 @@ __all__ = [
     "FP8_WIDE_KEYS_FROM",
     "fp8_key_block",
     "fp8_blocks",
+    "quantized_inputs",
     "hadamard_signs",
     "hadamard_matrix",
     "quantize_fp8",
@@ -640,13 +641,18 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
                    causal=causal, softmax_scale=softmax_scale, window=window)
 
 
+def quantized_inputs(q, k, v, hadamard_seed: int | None = None) -> list[np.ndarray]:
+    """q, k and v as attention(q, k, v, fp8=True) quantizes them, dequantized (float64): q with one
+    scale per FP8_BLOCK rows, k and v per fp8_key_block(headdim, seqlen_k) rows, q and k after the
+    Hadamard transform of `hadamard_seed` (None for none: it cancels in q k^T)."""
+    key_block = fp8_key_block(np.shape(q)[-1], np.shape(k)[1])
+    return [dequantize_fp8(*quantize_fp8(x, block, seed), block) for x, block, seed in
+            ((q, FP8_BLOCK, hadamard_seed), (k, key_block, hadamard_seed), (v, key_block, None))]
+
+
 def attention_quantized(q, k, v, hadamard_seed: int | None = None, *, causal=False, softmax_scale=None,
                         window=(-1, -1)):
-    """attention(q, k, v, fp8=True): q quantized with one scale per FP8_BLOCK rows, k and v per
-    fp8_key_block(headdim, seqlen_k) rows (q and k after the Hadamard transform of `hadamard_seed`,
-    None for none: it cancels in q k^T), then attention on the dequantized inputs, as
-    `attention_fp8`: (out, lse) in float64."""
-    key_block = fp8_key_block(np.shape(q)[-1], np.shape(k)[1])
-    dequantized = [dequantize_fp8(*quantize_fp8(x, block, seed), block) for x, block, seed in
-                   ((q, FP8_BLOCK, hadamard_seed), (k, key_block, hadamard_seed), (v, key_block, None))]
-    return forward(*dequantized, causal=causal, softmax_scale=softmax_scale, window=window)
+    """attention(q, k, v, fp8=True): attention on quantized_inputs, as `attention_fp8`: (out, lse) in
+    float64."""
+    return forward(*quantized_inputs(q, k, v, hadamard_seed), causal=causal, softmax_scale=softmax_scale,
+                   window=window)
