@@ -515,10 +515,10 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     time, then in fp32; out's error is that of the fp32 sums), and takes some of P's exponentials
     from a quadratic on the FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3)
     instead of the special-function unit (at 64 up to 4096 query rows, unmasked only): such calls
-    run 2-12% faster. With return_lse and per-128-row descales (beyond 2048 query rows at 128;
-    beyond 4096 at 64, unmasked only), some pairs of P's exponentials come from a cubic in f16x2
-    arithmetic on the FMA pipe (relative error up to 5.5e-4 near each row's maximum, within the
-    LSE's bound): 1.5-4.5% faster.
+    run 2-12% faster. With return_lse, beyond 2048 query rows at 128 (with per-head descales
+    unmasked only) and beyond 4096 at 64 (per-128-row descales, unmasked only), some pairs of P's
+    exponentials come from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4
+    near each row's maximum, within the LSE's bound): 1.5-4.5% faster.
     """
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)

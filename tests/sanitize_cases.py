@@ -120,6 +120,7 @@ if torch is not None and int(cp.cuda.Device().compute_capability) >= 89:  # quan
                                                       ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, False, True),
                                                       ((1, 2100, 2, 128), (1, 2200, 1, 128), 128, True, True),
                                                       ((1, 4100, 2, 64), (1, 4111, 1, 64), 128, False, True),
+                                                      ((1, 2100, 2, 128), (1, 2200, 1, 128), None, False, True),
                                                       # decode steps: query heads as rows (q's descales one a
                                                       # row: a split variant, in one part for few keys) and
                                                       # split-KV; MHA split

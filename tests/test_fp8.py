@@ -524,7 +524,9 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         every = fwd_sm90.FP8_EXP_ON_FMA[(long.headdim, tiles)]
         assert (on_fma(long, with_lse=False), on_fma(long, with_lse=False, window_right=0)) == (
             (every[0], False), (every[1], False))
-        assert on_fma(long) == (0, False) == on_fma(long, window_right=0)  # with the LSE: the per-head rows
+        # with the LSE: the per-head rows, with FP8_LSE_EXP_PAIRS' pairs or none
+        lse_pairs = fwd_sm90.FP8_LSE_EXP_PAIRS.get((long.headdim, fwd_sm90.FP8_PER_HEAD_TILES[long.headdim]), (0, 0))
+        assert (on_fma(long), on_fma(long, window_right=0)) == tuple((every, every > 0) for every in lse_pairs)
     for table in (fwd_sm90.FP8_EXP_ON_FMA, fwd_sm90.FP8_LSE_EXP_PAIRS):
         assert all(max(every) > 0 for every in table.values())  # (an entry of zeros says nothing)
     blocks = dict(k_descale=per_block, v_descale=per_block)  # the 128-key rows beyond 2k (4k at 64) rows

@@ -191,12 +191,14 @@ FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1])
 # every exponential on the unit). Measured on H200 against that (NOTES-fp8.md, session 46):
 # - head dim 128, per-128-row descales beyond 2k rows: every 6th +3.5% at 4k, +4.2-4.6% at 16k,
 #   masked +2.7-3.4% at 16k (every 3rd -2%, 4th, 5th and masked 4th and 8th less than every 6th);
-# - head dim 64, per-128-row descales beyond 4k rows: every 8th +1.5% at 16k (every 4th ±0).
-# Not taken: the per-head 192-key row at 128 (-1 to -7%: the pairs cost it its stale maximum, which
-# the kernel keeps only without FMA-pipe exponentials), the 128-key rows up to 2k rows (-1 to -2%),
-# the per-head row at 64 (-6 to -9%), head dim 256 (-2%). In place of ex2_fma on FP8_EXP_ON_FMA's
-# rows the pairs measured -5% to +0.4% (-2.6 to -3.5% on the per-head row at 128 at its count).
-FP8_LSE_EXP_PAIRS = {(128, FP8_TILES[128][1][1]): (6, 6), (64, FP8_TILES[64][1][1]): (8, 0)}
+# - head dim 64, per-128-row descales beyond 4k rows: every 8th +1.5% at 16k (every 4th ±0);
+# - head dim 128, the per-head 192-key row (once its stale maximum was gone, session 47): every 6th
+#   +2.1% at 4k, +1.5-1.7% at 16k (every 8th +1-1.9%, 4th -0.5 to -1.2% at 16k); masked -0.6%.
+# Not taken: the 128-key rows up to 2k rows (-1 to -2%), the per-head row at 64 (-6 to -9%), head
+# dim 256 (-2%). In place of ex2_fma on FP8_EXP_ON_FMA's rows the pairs measured -5% to +0.4% (-2.6
+# to -3.5% on the per-head row at 128 at its count).
+FP8_LSE_EXP_PAIRS = {(128, FP8_TILES[128][1][1]): (6, 6), (128, FP8_PER_HEAD_TILES[128]): (6, 0),
+                     (64, FP8_TILES[64][1][1]): (8, 0)}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
