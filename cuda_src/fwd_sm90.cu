@@ -296,7 +296,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
           bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV, int kExpOnFma,
-          bool kExpFmaPairs>
+          bool kExpFmaPairs, int kFp8StaleMax>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -333,8 +333,13 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // columns zeroed. Left to accumulate a whole row the sums came out 24% low at 16k keys (H100,
   // session 40): the e4m3 wgmma's accumulation keeps ~14 bits, and a row's growing sum likely
   // left P's small values below them.
-  static_assert(!kTensorRowSums || (kFp8 && kHeadDim <= 128), "e4m3, and N = kHeadDim + 8 within 256");
+  // At head dim 256 (N would pass 256) the sums take a wgmma of their own, N = kSumColumns, on one
+  // tile of ones that every stage shares (kSumsApart).
+  static_assert(!kTensorRowSums || (kFp8 && (kHeadDim <= 128 || kHeadDim == 256)),
+                "e4m3, N = kHeadDim + 8 within 256 or the sums apart");
   constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
+  constexpr bool kSumsApart = kTensorRowSums && kHeadDim + kSumColumns > 256;
+  constexpr int kVSumRows = kSumsApart ? 0 : kSumColumns;  // rows of ones below each V^T atom's
   // Unmasked, the tile's counter is broadcast from lane 0 again every key block (ptxas drops the
   // shuffle, the value being uniform, but then keeps what follows from it in uniform registers).
   // Where P's sums take the tensor cores and blocks are 192 keys wide, ptxas otherwise held the
@@ -344,7 +349,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // at 4k-16k, split-KV decode ±0; but with softcap -1%, masked ±0.7%, e4m3's 128-key rows -4%,
   // 16-bit 128 -1.3%.
   constexpr bool kRebroadcastEachBlock = !kMasked && !kSoftcap && ((kTensorRowSums && kBlockN > 128) || kHeadDim == 192);
-  constexpr unsigned kVAtomBytes = (kHeadDim + kSumColumns) * 128;  // e4m3 V^T: one 128-key swizzle atom
+  constexpr unsigned kVAtomBytes = (kHeadDim + kVSumRows) * 128;  // e4m3 V^T: one 128-key swizzle atom
+  constexpr unsigned kOnesBytes = kSumsApart ? kSumColumns * 128 : 0;  // the tile of ones kSumsApart reads
   constexpr unsigned kVBytes = kFp8 ? kVKeyAtoms * kVAtomBytes : kKBytes;
   constexpr unsigned kVStagingBytes = kTranspose ? kStages * kKBytes : 0;  // V as TMA brings it (e4m3)
   constexpr unsigned kOBytes = kOStage == kOStageOwn ? kBlockM * kHeadDim * sizeof(TOut) : 0;
@@ -368,14 +374,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // +1-4% at head dims 64 and 256, but -2 to -5% at 128, where ping-pong already hides the
   // multiplies behind the other warpgroup's GEMMs and the vote lands on the critical path
   // (benchmarks/NOTES-sm90.md, version 20). The serial schedule hides them behind one GEMM only:
-  // +0.6-0.9% there at head dim 256 (version 38). Not in e4m3: there P's exponent offset would have
-  // to drop by the margin (P within 2^8), and a row's largest weight, P of a stale maximum, is then
-  // no longer an exact power of two but rounded to e4m3 (up to 6% off), which O divided by the sum
-  // of the unrounded P carries: with 2^1 on the per-head 192-key row at head dim 128 (calls that
-  // return the LSE, +2.5-4.4% at 4k-16k, session 41) 1 in 40 of the GPU test's rows with a few
-  // large keys broke its bound, twice the error of plain FP8 (H200, NOTES-fp8.md, session 47).
-  constexpr int kStaleMax = kFp8 ? 0 : (!kPingPong || kSerial) ? 8 : 0;
-  constexpr int kExpOffset = kFp8 ? 8 : 0;  // P <= 2^8 in e4m3 (online_softmax_row)
+  // +0.6-0.9% there at head dim 256 (version 38). In e4m3 (the launcher's choice, kFp8StaleMax:
+  // fwd_sm90.py, FP8_STALE_MAX) P's exponent offset drops by the margin (P within 2^8), and a row's
+  // largest weight, P of a stale maximum, is then no longer an exact power of two but rounded to
+  // e4m3 (up to 6% off). O divided by the sum of the unrounded P carries that: with 2^1 on the
+  // per-head 192-key row at head dim 128 (calls that return the LSE, session 41) 1 in 40 of the GPU
+  // test's rows led by a few large keys broke its bound, twice plain FP8's error (H200, NOTES-fp8.md,
+  // session 47). So only with P's sums on the tensor cores, the sums of P as rounded, where that
+  // rounding cancels; and per-head descales (per-128-key ones move O's units every block, so the
+  // vote would find a rescale anyway), no ping-pong, not split.
+  static_assert(kFp8StaleMax == 0 || (kFp8 && kFp8StaleMax < 8 && kTensorRowSums && !kPingPong && !kSplitKV),
+                "a stale maximum in e4m3: P's sums on the tensor cores, no ping-pong, not split");
+  constexpr int kStaleMax = kFp8 ? kFp8StaleMax : (!kPingPong || kSerial) ? 8 : 0;
+  constexpr int kExpOffset = kFp8 ? 8 - kStaleMax : 0;  // P <= 2^8 in e4m3 (online_softmax_row)
   // Chains of a thread's row maximum (online_softmax_max): four in e4m3 at head dim 256, measured
   // +1-3% from 4k on H100 (-1 to -2% at 2k); one elsewhere (four measured -1 to -3% in 16 bits at
   // head dim 128 and -2 to -7% in e4m3 there; benchmarks/NOTES-fp8.md, session 17).
@@ -434,7 +445,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const unsigned sK = sQ + kQBuffers * kQBytes;     // kStages slots
   const unsigned sV = sK + kStages * kKBytes;       // kStages slots (e4m3: V transposed)
-  const unsigned sVStaging = sV + kStages * kVBytes;  // e4m3: kStages slots of V as loaded
+  const unsigned sOnes = sV + kStages * kVBytes;  // kSumsApart: kSumColumns rows of 128 ones (1 KiB)
+  const unsigned sVStaging = sOnes + kOnesBytes;  // e4m3: kStages slots of V as loaded
   const unsigned sO = kOStage == kOStageInQ ? sQ : sVStaging + kVStagingBytes;  // O staged for 16-byte stores
   const unsigned bars = sVStaging + kVStagingBytes + kOBytes;  // mbarriers, 8 bytes each
   // Q buffer b's: full and empty.
@@ -492,11 +504,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     fence_barrier_init();
   }
   if constexpr (kTensorRowSums) {  // the ones (e4m3 1.0 = 0x38) of every V^T atom, for the async proxy
-    constexpr unsigned kWords = kSumColumns * 128 / 4, kAtoms = kStages * kVKeyAtoms;
+    constexpr unsigned kWords = kSumColumns * 128 / 4, kAtoms = kSumsApart ? 1 : kStages * kVKeyAtoms;
     for (unsigned i = threadIdx.x; i < kAtoms * kWords; i += blockDim.x) {
       const unsigned atom = i / kWords;
-      st_shared_b32(sV + (atom / kVKeyAtoms) * kVBytes + (atom % kVKeyAtoms) * kVAtomBytes + kHeadDim * 128 +
-                        4 * (i % kWords),
+      st_shared_b32(kSumsApart ? sOnes + 4 * i
+                               : sV + (atom / kVKeyAtoms) * kVBytes + (atom % kVKeyAtoms) * kVAtomBytes +
+                                     kHeadDim * 128 + 4 * (i % kWords),
                     0x38383838u);
     }
     fence_proxy_async_shared();
@@ -710,6 +723,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   const unsigned long long desc_q = smem_descriptor_sw128(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = smem_descriptor_sw128(sK, 16, 1024);
   const unsigned long long desc_v = smem_descriptor_sw128(sV, kFp8 ? 16 : kBlockN * 128, 1024);
+  const unsigned long long desc_ones = smem_descriptor_sw128(sOnes, 16, 1024);  // (kSumsApart)
   // Ping-pong: warpgroup wg issues its GEMMs after syncing on its own turn barrier (with the
   // arrival of warpgroup wg - 1) and then hands the turn to wg + 1. Every consumer has the same
   // number of turns in a tile (blocks + 1: S alone, S beside P V, P V alone; serial, two a block),
@@ -857,7 +871,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             // (32-byte k steps within a 128-key atom of V^T, then the next atom)
             constexpr int kAtomSteps = 128 / 32;
             const unsigned step = (kk / kAtomSteps) * (kVAtomBytes >> 4) + (kk % kAtomSteps) * (32 >> 4);
-            Wgmma<T, kHeadDim + kSumColumns>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
+            if constexpr (kSumsApart) {
+              Wgmma<T, kHeadDim>::rs(reinterpret_cast<float(&)[kOAcc]>(o), pa[kk],
+                                     desc_v + slot * (kVBytes >> 4) + step, 1);
+              Wgmma<T, kSumColumns>::rs(reinterpret_cast<float(&)[kSumColumns / 2]>(o[kOAcc]), pa[kk],
+                                        desc_ones + (kk % kAtomSteps) * (32 >> 4), 1);
+            } else {
+              Wgmma<T, kHeadDim + kSumColumns>::rs(o, pa[kk], desc_v + slot * (kVBytes >> 4) + step, 1);
+            }
           } else {
             Wgmma<T, kHeadDim>::template rs<1>(o, pa[kk], desc_v + slot * (kVBytes >> 4) + kk * (2048 >> 4), 1);
           }

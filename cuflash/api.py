@@ -510,15 +510,18 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     the host to check. On Hopper at head dim 256 with more than 512 query rows, or from 256 with no
     more keys than query rows (at 128, more than 2048; at 64, more than 4096) the call also
     allocates, through the caller's framework, a scratch buffer the size of v8 for V transposed.
-    Without return_lse, the Hopper kernel at head dims 64 and 128 divides out by the row sums of P
-    as rounded to e4m3 (the weights P V multiplies, summed on the tensor cores a key block at a
-    time, then in fp32; out's error is that of the fp32 sums), and takes some of P's exponentials
-    from a quadratic on the FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3)
-    instead of the special-function unit (at 64 up to 4096 query rows, unmasked only): such calls
-    run 2-12% faster. With return_lse, beyond 2048 query rows at 128 (with per-head descales
-    unmasked only) and beyond 4096 at 64 (per-128-row descales, unmasked only), some pairs of P's
-    exponentials come from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4
-    near each row's maximum, within the LSE's bound): 1.5-4.5% faster.
+    Without return_lse, the Hopper kernel at head dims 64 and 128 (and 256 beyond 512 query rows,
+    or from 256 with no more keys) divides out by the row sums of P as rounded to e4m3 (the weights
+    P V multiplies, summed on the tensor cores a key block at a time, then in fp32; out's error is
+    that of the fp32 sums). There at 256 with per-head descales it keeps a running maximum up to
+    2^3 stale, skipping O's rescale while no row's maximum rose more (P's e4m3 range 3 binades
+    narrower: 4-6% faster). At 64 and 128 it takes some of P's exponentials from a quadratic on the
+    FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3) instead of the
+    special-function unit (at 64 up to 4096 query rows, unmasked only): such calls run 2-12%
+    faster. With return_lse, beyond 2048 query rows at 128 (with per-head descales unmasked only)
+    and beyond 4096 at 64 (per-128-row descales, unmasked only), some pairs of P's exponentials come
+    from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4 near each row's
+    maximum, within the LSE's bound): 1.5-4.5% faster.
     """
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)

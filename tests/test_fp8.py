@@ -507,11 +507,18 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         assert chosen.tensor_row_sums and chosen.block_n == block_n and "lse" not in kernels.workspace(no_lse)
         assert chosen.dynamic_shared_bytes > dataclasses.replace(chosen, tensor_row_sums=False).dynamic_shared_bytes
     assert not fwd_sm90.tensor_row_sums_fit(64, fwd_sm90.FP8_PER_HEAD_TILES[64])
+    # At 256 the sums take a wgmma of their own, on the pre-transposed row (its consumers run free),
+    # not on the ping-pong one (up to 512 query rows), with 1 KiB of ones for all stages.
     no_lse = dataclasses.replace(problem, with_lse=False)
-    assert not fwd_sm90.select_fp8(no_lse, inputs(no_lse)).tensor_row_sums
-    assert "lse" not in kernels.workspace(no_lse)
+    chosen = fwd_sm90.select_fp8(no_lse, inputs(no_lse))
+    assert chosen.tensor_row_sums and "lse" not in kernels.workspace(no_lse)
+    bare = dataclasses.replace(chosen, tensor_row_sums=False, stale_max=0)
+    assert chosen.dynamic_shared_bytes == bare.dynamic_shared_bytes + 1024
+    short_no_lse = dataclasses.replace(no_lse, seqlen_q=512)
+    assert not fwd_sm90.select_fp8(short_no_lse, inputs(short_no_lse)).tensor_row_sums
     with pytest.raises(ValueError, match="tensor_row_sums is for e4m3 at head dims"):
-        dataclasses.replace(fwd_sm90.select_fp8(no_lse, inputs(no_lse)), tensor_row_sums=True).check()
+        fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False, False, True,
+                                False, False, tensor_row_sums=True).check()
     # Calls without the LSE take some exponentials on the FMA pipe on FP8_EXP_ON_FMA's rows (head dim
     # 128's rows, 64's row-sums row), unmasked and masked as it says; calls with it some pairs of them
     # (exp_fma_pairs) on FP8_LSE_EXP_PAIRS' rows; other rows and 16-bit variants none.
@@ -537,6 +544,19 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         assert (on_fma(long, blocks), on_fma(long, blocks, window_right=0)) == (
             (pairs[0], pairs[0] > 0), (pairs[1], pairs[1] > 0)) and pairs[0] > 0
     assert on_fma(problem, with_lse=False) == (0, False) == on_fma(problem)  # head dim 256
+    # A stale running maximum (FP8_STALE_MAX) only where O is divided by the sums of P as rounded
+    # (on the tensor cores: calls without the LSE) and k and v descales are per head: head dim 256's
+    # pre-transposed row; not with the LSE, per-128-row descales, ping-pong, or at 128 and 64.
+    def stale(p, inputs_changed=None, **changes):
+        p = dataclasses.replace(p, **changes)
+        return fwd_sm90.select_fp8(p, {**inputs(p), **(inputs_changed or {})}).stale_max
+
+    at_256 = fwd_sm90.FP8_STALE_MAX[(256, fwd_sm90.FP8_TILES[256][1][1])]
+    assert stale(problem, with_lse=False) == stale(problem, with_lse=False, window_right=0) == at_256 > 0
+    assert stale(problem) == stale(problem, blocks, with_lse=False) == stale(problem, with_lse=False, seqlen_q=512) == 0
+    assert stale(long_128) == stale(long_128, with_lse=False) == stale(long_64, with_lse=False) == 0
+    with pytest.raises(ValueError, match="stale_max=3 is for e4m3 .* with P's sums on the tensor cores"):
+        dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), stale_max=3).check()
     with pytest.raises(ValueError, match="exp_fma_pairs says how exp_on_fma's exponentials are taken"):
         dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), exp_fma_pairs=True).check()
     with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):

@@ -307,6 +307,8 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
         assert variant.tensor_row_sums == (not with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles))
         every = (fwd_sm90.FP8_LSE_EXP_PAIRS if with_lse else fwd_sm90.FP8_EXP_ON_FMA).get((headdim, tiles), (0, 0))
         assert (variant.exp_on_fma, variant.exp_fma_pairs) == (every[causal], with_lse and every[causal] > 0)
+        stale = block is None and variant.tensor_row_sums  # (per head, O divided by the sums of P as rounded)
+        assert variant.stale_max == (fwd_sm90.FP8_STALE_MAX.get((headdim, tiles), 0) if stale else 0)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (2, 4, 333) if with_lse else None,
                                               torch.bfloat16)
     _check(out, lse, quantized, kw)
@@ -371,24 +373,28 @@ def test_fp8_running_max_rising_by_a_little_or_more(row, weight, with_lse):
 
 
 @hopper_only
-@pytest.mark.parametrize("row", range(len(fp8_rows(128, None))))
-def test_fp8_rows_led_by_a_few_large_keys_keep_the_bound(row):
+@pytest.mark.parametrize("headdim,row,with_lse", [(128, row, True) for row in range(len(fp8_rows(128, None)))]
+                         + [(256, row, False) for row in range(len(fp8_rows(256, None)))])
+def test_fp8_rows_led_by_a_few_large_keys_keep_the_bound(headdim, row, with_lse):
     """The hypothesis test's inputs (every 7th key times 4: a few keys lead each row; every 5th
-    value row times 3), 64 query rows and 1100 keys, per-head descales, the LSE returned, forty seeds
-    on every row at head dim 128. A stale running maximum (2^1, on the per-head 192-key row until
-    session 47) left such a row's largest weight rounded to e4m3 instead of an exact power of two,
-    and O divided by the unrounded sum carried that: 1 seed in 40 broke the bound here (H200)."""
+    value row times 3), 64 query rows and 1100 keys, per-head descales, forty seeds on every row at
+    head dim 128 returning the LSE and at 256 without it (FP8_STALE_MAX's row). A stale running
+    maximum leaves such a row's largest weight rounded to e4m3 instead of an exact power of two: O
+    divided by the unrounded sum carried that (2^1 on 128's per-head 192-key row with the LSE until
+    session 47: 1 seed in 40 broke the bound here, H200), O divided by the sums of P as rounded
+    does not."""
     kw = dict(causal=False, window=(-1, -1), softmax_scale=None)
-    with fp8_row(128, row, None):
+    with fp8_row(headdim, row, None):
         for seed in range(40):
             g = torch.Generator(device="cuda").manual_seed(seed)
-            q, k, v = (torch.randn(1, s, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            q, k, v = (torch.randn(1, s, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
                        for s in (64, 1100, 1100))
             k[:, ::7] *= 4
             v[:, 1::5] *= 3
             quantized, inputs = _quantized_inputs(q, k, v, None, seed=3)
-            problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16)
-            out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, 64), torch.bfloat16)
+            problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
+            out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (1, 2, 64) if with_lse else None,
+                                                  torch.bfloat16)
             _check(out, lse, quantized, kw)
 
 

@@ -373,6 +373,26 @@ struct Wgmma<bfloat16_t, 256> {
 };
 
 template <>
+struct Wgmma<e4m3_t, 8> {
+  static __device__ __forceinline__ void ss(float (&d)[4], unsigned long long desc_a, unsigned long long desc_b,
+                                            int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+  static __device__ __forceinline__ void rs(float (&d)[4], const unsigned (&a)[4], unsigned long long desc_b,
+                                            int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <>
 struct Wgmma<e4m3_t, 64> {
   static __device__ __forceinline__ void ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b,
                                             int accumulate) {

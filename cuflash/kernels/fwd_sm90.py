@@ -27,9 +27,9 @@ CXX_ELEMENT_TYPES = {**CXX_TYPES, FP8: "cuflash::e4m3_t"}
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, FP8: 1}
 # The wgmma N extents cuda_src/common/wgmma.cuh provides (tools/gen_wgmma.py generates exactly
 # these): S = Q K^T has N = block_n, O += P V has N = the compiled head dim (e4m3 with the row sums
-# on the tensor cores: + FP8_SUM_COLUMNS).
+# on the tensor cores: + FP8_SUM_COLUMNS, or at head dim 256 the sums alone in a wgmma of their own).
 WGMMA_N = (64, 80, 112, 128, 176, 192, 256)
-FP8_WGMMA_N = (64, 72, 128, 136, 160, 192, 256)
+FP8_WGMMA_N = (8, 64, 72, 128, 136, 160, 192, 256)
 FP8_SUM_COLUMNS = 8
 
 # Per compiled head dim, rows of (longest seqlen_k served, (consumers, block_n, stages, sync,
@@ -145,8 +145,11 @@ FP8_PER_HEAD_TILES = {64: (3, 160, 2, "pingpong", "overlap", True), 128: (2, 192
 # 160-key one), +3-6.5% at 4k-16k with the fold (session 40); head dim 128 alone -3 to +4% (session
 # 30), but with more exponentials on the FMA pipe, which the FADDs gone leave room for
 # (FP8_EXP_ON_FMA), +2-5% non-causal and +4-6% causal at 4k-16k on its rows, +3-5% end to end
-# (session 40; benchmarks/NOTES-fp8.md). At 256, N would pass 256.
-FP8_TENSOR_ROW_SUMS = (64, 128)
+# (session 40; benchmarks/NOTES-fp8.md). At 256, where N would pass 256, the sums take a wgmma of
+# their own (N = 8) on one tile of ones all stages share, on the pre-transposed row only (not where
+# the consumers take turns: not measured there): +0.6-1.0% at 4k-16k alone (H200, session 47), and
+# with them that row may keep a stale maximum (FP8_STALE_MAX).
+FP8_TENSOR_ROW_SUMS = (64, 128, 256)
 # As PASS_BY, for e4m3: chosen like the 16-bit table's rows for 256; at 64 unmasked measured on H100
 # (NOTES-fp8.md, session 16) +8% at 1k, +3.5% at 2k-4k, +1.7% at 16k; at 128 unmasked -0.5 to -2%.
 FP8_PASS_BY = {64: (True, True), 128: (False, True), 256: (True, True)}
@@ -199,6 +202,18 @@ FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1])
 # to -3.5% on the per-head row at 128 at its count).
 FP8_LSE_EXP_PAIRS = {(128, FP8_TILES[128][1][1]): (6, 6), (128, FP8_PER_HEAD_TILES[128]): (6, 0),
                      (64, FP8_TILES[64][1][1]): (8, 0)}
+# e4m3 calls whose k and v descales are per head, without the LSE, per (compiled head dim, tile
+# row): a warp skips O's rescale while no row's maximum rose by more than 2^this since the last one
+# (FlashAttention-4's stale maximum, the kernel's kFp8StaleMax), P's exponent offset this much lower
+# (P within 2^8, e4m3's 448). Only where O is divided by the sums of P as rounded (the row sums on
+# the tensor cores), where a row's largest weight, no longer an exact power of two, cancels: divided
+# by the sum of the unrounded P, 3-4 of 40 rows led by a few large keys broke the FP8 accuracy bound
+# at 256 (1 of 40 with 2^1 at 128). Measured on H200 (NOTES-fp8.md, session 47), head dim 256's
+# pre-transposed row, 2^3 with the sums against neither: +4.7% at 4k, +5.6-6.0% at 16k, +3.7-3.9%
+# causal at 16k (without the sums 2^1 +0-3.5%, 2^2 +2.5-4.5%, 2^4 as 2^3); 0 of 40 such rows over
+# the bound, their largest error 1.2-2x the exact maximum's (within the bound); O's RMS error on
+# Gaussian inputs about 5% higher.
+FP8_STALE_MAX = {(256, FP8_TILES[256][1][1]): 3}
 # The transposing warps count a tile's key blocks in 16 bits (fwd_sm90.cu): longer key sequences
 # are refused rather than wrapped.
 FP8_MAX_KEY_BLOCKS = 2**16 - 1
@@ -228,14 +243,16 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     barriers = 8 * (2 * q_buffers + (6 if transpose else 4) * stages) + 8  # and two tile-index slots
     row = math.ceil(headdim * ELEMENT_SIZE[dtype] / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES  # Q, K, V rows
     # Per stage: K, and V (16 bits), or V^T (headdim rows of block_n keys in whole 128-key swizzle
-    # atoms, a byte a key, and with the row sums FP8_SUM_COLUMNS rows of ones) and the staged V
-    # (e4m3 transposed in the kernel).
-    v_rows = headdim + (FP8_SUM_COLUMNS if tensor_row_sums else 0)
+    # atoms, a byte a key, and with the row sums FP8_SUM_COLUMNS rows of ones; at head dim 256 those
+    # are one tile all stages share) and the staged V (e4m3 transposed in the kernel).
+    sums_apart = tensor_row_sums and headdim + FP8_SUM_COLUMNS > 256
+    v_rows = headdim + (FP8_SUM_COLUMNS if tensor_row_sums and not sums_apart else 0)
     v_transposed = v_rows * math.ceil(block_n / SWIZZLE_ROW_BYTES) * SWIZZLE_ROW_BYTES
     per_stage = block_n * row + (v_transposed + (block_n * row if transpose else 0) if fp8 else block_n * row)
     o_bytes = block_m * headdim * ELEMENT_BYTES if o_stage == "own" else 0  # O in 16 bits
     # + 1 KiB: the kernel rounds the base up to the 1024-byte boundary swizzled tiles need
-    return q_buffers * block_m * row + stages * per_stage + o_bytes + barriers + 1024
+    ones = FP8_SUM_COLUMNS * SWIZZLE_ROW_BYTES if sums_apart else 0
+    return q_buffers * block_m * row + stages * per_stage + ones + o_bytes + barriers + 1024
 
 
 # The kernel's FwdSm90Params struct (cuda_src/fwd_sm90.cu), field for field (padded to its
@@ -287,6 +304,7 @@ class FwdSm90Variant(Variant):
     split_kv: bool = False  # tiles split by key blocks into float32 partials, then combine_splits (kv_splits)
     exp_on_fma: int = 0  # e4m3: every this many-th exponential of a row on the FMA pipe, 0: none (FP8_EXP_ON_FMA)
     exp_fma_pairs: bool = False  # exp_on_fma counts pairs of columns, each in f16x2 (FP8_LSE_EXP_PAIRS)
+    stale_max: int = 0  # e4m3: the running maximum may be up to 2^stale_max stale (FP8_STALE_MAX)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -312,6 +330,10 @@ class FwdSm90Variant(Variant):
         if self.exp_on_fma < 0 or (self.exp_on_fma and not fp8):
             raise ValueError(f"fwd_sm90: exp_on_fma={self.exp_on_fma}: every how many-th exponential goes to the FMA "
                              "pipe, 0 for none; e4m3 only")
+        if self.stale_max and not (fp8 and 0 < self.stale_max < 8 and self.tensor_row_sums
+                                   and self.sync != "pingpong" and not self.split_kv):
+            raise ValueError(f"fwd_sm90: stale_max={self.stale_max} is for e4m3 (below 8) with P's sums on the "
+                             "tensor cores, no ping-pong and no split")
         if self.exp_fma_pairs and not self.exp_on_fma:
             raise ValueError("fwd_sm90: exp_fma_pairs says how exp_on_fma's exponentials are taken: give exp_on_fma")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
@@ -377,7 +399,7 @@ class FwdSm90Variant(Variant):
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers),
-                cxx_bool(self.split_kv), str(self.exp_on_fma), cxx_bool(self.exp_fma_pairs))
+                cxx_bool(self.split_kv), str(self.exp_on_fma), cxx_bool(self.exp_fma_pairs), str(self.stale_max))
 
 
 @dataclass(frozen=True)
@@ -744,28 +766,36 @@ def _v_transposed_shape(problem) -> tuple[int, int, int, int] | None:
 
 
 def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
-    """Whether the e4m3 kernel at this compiled head dim and tile row can sum P's rows on the tensor
+    """Whether the e4m3 kernel at this compiled head dim and tile row sums P's rows on the tensor
     cores (FP8_TENSOR_ROW_SUMS: not where three consumers take more than 128 keys, whose four more
-    accumulators spill there: the FP8_PER_HEAD_TILES row at 64)."""
-    return headdim in FP8_TENSOR_ROW_SUMS and (tiles[0] == 2 or tiles[1] <= 128)
+    accumulators spill there: the FP8_PER_HEAD_TILES row at 64; at 256 not on the ping-pong row)."""
+    return (headdim in FP8_TENSOR_ROW_SUMS and (tiles[0] == 2 or tiles[1] <= 128)
+            and (headdim <= 128 or tiles[3] != "pingpong"))
 
 
-def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bool], with_lse: bool) -> FwdSm90Variant:
+def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bool], with_lse: bool,
+                kv_per_head: bool) -> FwdSm90Variant:
     """The e4m3 (whole, not split) variant of this tile row for a call with this (pass_by, masked)
-    (mask_fields) that returns the LSE or not: without it, P's row sums on the tensor cores where they
-    fit (FP8_TENSOR_ROW_SUMS) and, on the rows FP8_EXP_ON_FMA names, some exponentials on the FMA
-    pipe; with it, on FP8_LSE_EXP_PAIRS' rows, some pairs of them there in f16x2."""
+    (mask_fields) that returns the LSE or not, with k and v descales per head or not: without the
+    LSE, P's row sums on the tensor cores where they fit (FP8_TENSOR_ROW_SUMS), on the rows
+    FP8_EXP_ON_FMA names some exponentials on the FMA pipe, and with per-head descales where
+    FP8_STALE_MAX says a stale running maximum; with it, on FP8_LSE_EXP_PAIRS' rows, some pairs of
+    exponentials on the FMA pipe in f16x2."""
     row = (headdim, tuple(tiles))
     exp_on_fma = (FP8_LSE_EXP_PAIRS if with_lse else FP8_EXP_ON_FMA).get(row, (0, 0))[mask[1]]
-    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, *mask, tiles[5],
-                             not with_lse and tensor_row_sums_fit(headdim, tiles), exp_on_fma=exp_on_fma,
-                             exp_fma_pairs=with_lse and exp_on_fma > 0)
+    sums = not with_lse and tensor_row_sums_fit(headdim, tiles)
+    stale_max = FP8_STALE_MAX.get(row, 0) if kv_per_head and sums else 0
+    return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, *mask, tiles[5], sums,
+                             exp_on_fma=exp_on_fma, exp_fma_pairs=with_lse and exp_on_fma > 0, stale_max=stale_max)
 
 
-def fp8_row_variants(out_dtype: str, headdim: int, tiles: tuple) -> tuple[FwdSm90Variant, ...]:
-    """Every fp8_variant of this tile row: masked or not, with the LSE or not (once each)."""
-    return tuple(dict.fromkeys(fp8_variant(out_dtype, headdim, tiles, mask, with_lse)
-                               for mask in mask_choices(FP8_PASS_BY, headdim) for with_lse in (True, False)))
+def fp8_row_variants(out_dtype: str, headdim: int, tiles: tuple,
+                     kv_per_head: tuple[bool, ...] = (True, False)) -> tuple[FwdSm90Variant, ...]:
+    """Every fp8_variant of this tile row: masked or not, with the LSE or not, for k and v descales
+    per head or not (of `kv_per_head`'s kinds; once each)."""
+    return tuple(dict.fromkeys(fp8_variant(out_dtype, headdim, tiles, mask, with_lse, per_head)
+                               for mask in mask_choices(FP8_PASS_BY, headdim) for with_lse in (True, False)
+                               for per_head in kv_per_head))
 
 
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -810,7 +840,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          "(batch, nheads_kv); per-128-row descales take blocks of 128")
     variant = fp8_variant(problem.out_dtype, headdim, tiles, mask_fields(FP8_PASS_BY, headdim, problem),
-                          problem.with_lse)
+                          problem.with_lse, kv_per_head)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed:

@@ -99,7 +99,7 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
         raise ValueError(f"{FAMILY_NAME} on a row that transposes V in the kernel takes at most "
                          f"{fwd_sm90.FP8_MAX_KEY_BLOCKS * tiles[1]} keys; got seqlen_k {problem.seqlen_k}")
     variant = fwd_sm90.fp8_variant(problem.dtype, headdim, tiles, fwd_sm90.mask_fields(fwd_sm90.FP8_PASS_BY, headdim, fp8),
-                                   problem.with_lse)
+                                   problem.with_lse, kv_per_head=False)  # (k and v per block of keys)
     fwd_sm90.check_tile_count(FAMILY_NAME, fp8, variant)
     return variant
 
@@ -163,7 +163,7 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple:
     """Its kernel of its own (V to V^T) and the FP8 forward's rows that transpose V in the kernel,
     pre-transposed (_tiles); the others are quantize_fp8's and fwd_fp8_sm90's variants."""
     attention = tuple(variant for out in sorted(fwd_sm90.CXX_TYPES) for hd in fwd_sm90.FP8_HEADDIMS
-                      for tiles in _flipped_rows(hd) for variant in fwd_sm90.fp8_row_variants(out, hd, tiles))
+                      for tiles in _flipped_rows(hd) for variant in fwd_sm90.fp8_row_variants(out, hd, tiles, (False,)))
     return quantize_fp8.TRANSPOSED_VARIANTS + attention
 
 
