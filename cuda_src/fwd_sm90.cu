@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
                 "e4m3, N = kHeadDim + 8 within 256 or the sums apart");
   constexpr int kSumColumns = kTensorRowSums ? 8 : 0;
   constexpr bool kSumsApart = kTensorRowSums && kHeadDim + kSumColumns > 256;
-  constexpr int kVSumRows = kSumsApart ? 0 : kSumColumns;  // rows of ones below each V^T atom's
+  constexpr int kVSumRows = kSumsApart ? 0 : kSumColumns;  // rows of ones below each V^T atom (none when apart)
   // Unmasked, the tile's counter is broadcast from lane 0 again every key block (ptxas drops the
   // shuffle, the value being uniform, but then keeps what follows from it in uniform registers).
   // Where P's sums take the tensor cores and blocks are 192 keys wide, ptxas otherwise held the
