@@ -91,10 +91,13 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
 # warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
 # 32 MB) and a workspace of V's size buy, at head dim 256, +21-28% non-causal and +12-25% causal
-# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then). It pays when V blocks serve enough query rows: at
-# 8k keys and head dim 256, 1k and 2k query rows 6-17% faster, up to 512 rows 2-12% slower, GQA or
-# not. At 128, beyond 2k query rows (session 24, FA3 sizing, three alternations; the producer's
-# transposing warps had been taking a third of the issue samples): non-causal 4k-16k +3-5%, causal
+# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then); on H200 the pass is 21 us, 2-3% of the call at
+# 256 8k, and writing V^T in the attention kernel instead (its producer warps, or all its threads
+# before the roles split) won back at most 0.4-1.2 points of that (benchmarks/NOTES-fp8.md, session
+# 48). It pays when V blocks serve enough query rows: at 8k keys and head dim 256, 1k and 2k query
+# rows 6-17% faster, up to 512 rows 2-12% slower, GQA or not. At 128, beyond 2k query rows
+# (session 24, FA3 sizing, three alternations; the producer's transposing warps had been taking a
+# third of the issue samples): non-causal 4k-16k +3-5%, causal
 # 16k +1-3%, 2k even, 1k -6%; the consumers run free there. (Two or four stages lose the loop
 # counters' uniformity at 128 pre-transposed: 26 R2UR, test_kernels_offline.) At 64, beyond 4k
 # query rows, with ping-pong (session 25, two alternations): non-causal 8k-16k +4-5% (4k +3.5%),
