@@ -97,9 +97,9 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # 48). It pays when V blocks serve enough query rows: at 8k keys and head dim 256, 1k and 2k query
 # rows 6-17% faster, up to 512 rows 2-12% slower, GQA or not. At 128, beyond 2k query rows
 # (session 24, FA3 sizing, three alternations; the producer's transposing warps had been taking a
-# third of the issue samples): non-causal 4k-16k +3-5%, causal
-# 16k +1-3%, 2k even, 1k -6%; the consumers run free there. (Two or four stages lose the loop
-# counters' uniformity at 128 pre-transposed: 26 R2UR, test_kernels_offline.) At 64, beyond 4k
+# third of the issue samples): non-causal 4k-16k +3-5%, causal 16k +1-3%, 2k even, 1k -6%; the
+# consumers run free there. (Two or four stages lose the loop counters' uniformity at 128
+# pre-transposed: 26 R2UR, test_kernels_offline.) At 64, beyond 4k
 # query rows, with ping-pong (session 25, two alternations): non-causal 8k-16k +4-5% (4k +3.5%),
 # causal 16k +2-7%, 8k even (4k -2%), 1k -4%; without ping-pong +1-4%. Up to 4k the consumers
 # run free there (session 25): +4-10% non-causal and +0-3% causal against tile sync (512 causal
