@@ -10,6 +10,7 @@
 // 16-byte stores (head-dim rows). Pairs of lanes take neighbouring key groups, so each row a warp
 // stores gets 32 contiguous bytes (whole sectors), and the 16 pairs neighbouring columns (64
 // contiguous bytes of each key read). Memory-bound: one read and one write of V.
+#include "common/sm90.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -24,6 +25,9 @@ static_assert(sizeof(TransposeVFp8Params) == 56, "TransposeVFp8Params must match
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) transpose_v_fp8(const __grid_constant__ TransposeVFp8Params p) {
+  // The attention kernel, launched as this pass's programmatic dependent, may take SMs as this
+  // pass leaves them (its producer waits for the pass to complete before loading V^T).
+  griddepcontrol_launch_dependents();
   const int h = blockIdx.y, b = blockIdx.z;
   const int words = p.headdim / 4;
   const int index = blockIdx.x * kThreads + threadIdx.x;

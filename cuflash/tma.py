@@ -1,5 +1,5 @@
 """CUDA tensor maps (TMA descriptors), encoded on the host by the driver's cuTensorMapEncodeTiled
-through ctypes on libcuda, for the sm_90a kernels. Facts: shared/notes/hopper.md section 5."""
+through ctypes on libcuda (driver.py), for the sm_90a kernels. Facts: shared/notes/hopper.md section 5."""
 from __future__ import annotations
 
 import ctypes
@@ -7,6 +7,8 @@ import threading
 from functools import lru_cache
 
 import numpy as np
+
+from . import driver
 
 # CUtensorMapDataType
 DATA_TYPES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0, "float32": 7}  # e4m3 as UINT8: TMA only moves bytes
@@ -24,11 +26,7 @@ def strides_encodable(strides_bytes) -> bool:
 
 @lru_cache(maxsize=None)
 def _encode_tiled():
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as e:  # no driver: sm_90a kernels are never selected without a GPU, so this is a bug
-        raise RuntimeError(f"cuflash needs the CUDA driver (libcuda.so.1) to build TMA descriptors: {e}") from e
-    fn = lib.cuTensorMapEncodeTiled
+    fn = driver.libcuda().cuTensorMapEncodeTiled
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
                    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]

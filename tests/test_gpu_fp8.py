@@ -608,6 +608,50 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
 
 
 @hopper_only
+def test_fp8_kernel_launched_during_the_v_transpose_pass_reads_what_the_pass_wrote():
+    """At head dim 256 beyond 512 query rows a pass writes V^T (transpose_v_fp8.cu) into a workspace
+    and the attention kernel is launched as its programmatic dependent (driver.DependentLaunch): it
+    may start while the pass still runs, and its producer waits for the pass to complete before it
+    loads V^T. Many keys (a long pass; ragged, and v strided as a packed kv gives it) and a tile per
+    CTA (every CTA's first V^T load, of the last key block, at its start), with the workspace
+    poisoned before each call: V^T has the pass's bits and each call the first's (which are within
+    the reference's bounds), eagerly, replayed from a CUDA graph (the dependency then a programmatic
+    edge) and under jax.jit. (With the wait removed, none of 100 such calls on an H200 read the
+    poison: the kernel's CTAs start only as the pass's last blocks leave the SMs. This test guards
+    the launch path and the pass, not the wait's timing.)"""
+    g = torch.Generator(device="cuda").manual_seed(256)
+    q = torch.randn(1, 1024, 16, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(1, 16377, 16, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    (q8, qd), (kv8, kvd) = (cuflash.quantize_fp8(x, block=reference.FP8_BLOCK) for x in (q, kv))
+    quantized = ((q8, qd), (kv8[:, :, :8], kvd[:, :8]), (kv8[:, :, 8:], kvd[:, 8:]))
+    inputs = dict(zip(("q", "q_descale", "k", "k_descale", "v", "v_descale"), (x for pair in quantized for x in pair)))
+    kw = dict(causal=False, window=(-1, -1), softmax_scale=None)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse=False)
+    dispatch.clear_plans()
+    workspace = {}
+    out, _ = gpu_attention.run_poisoned(problem, inputs, q.shape, None, torch.bfloat16, workspace_out=workspace)
+    ((_, variant),) = dispatch._plans.values()
+    assert variant.v_pretransposed and not variant.split_kv
+    assert torch.equal(workspace["v_transposed"].view(torch.uint8), _v_transposed(inputs["v"]))
+    _check(out, None, quantized, kw)
+    for _ in range(8):
+        _assert_same_again(problem, inputs, out, None)
+    names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuflash.attention_fp8(*(inputs[n] for n in names))
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() == "gpu":  # XLA's stream, workspace and outputs (XLA's arrays are dense)
+        args = [jax.dlpack.from_dlpack(inputs[n].contiguous()) for n in names]
+        assert torch.equal(torch.from_dlpack(jax.jit(cuflash.attention_fp8)(*args)), out)
+
+
+@hopper_only
 def test_fp8_attention_under_jax_jit_matches_torch():
     """JAX arrays on the GPU: attention(fp8=True) under jax.jit, where XLA allocates the outputs and
     the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits; so does
