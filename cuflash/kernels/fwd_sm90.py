@@ -418,7 +418,10 @@ TRANSPOSE_V_PARAMS = np.dtype([("v", np.uint64), ("vt", np.uint64)]
                               + [(name, np.int32) for name in ("seqlen", "seqlen_pad", "nheads", "headdim")])
 assert TRANSPOSE_V_PARAMS.itemsize == 56, "keep in step with static_assert(sizeof(TransposeVFp8Params) == 56)"
 TRANSPOSE_V_STRUCT = ParamStruct(TRANSPOSE_V_PARAMS)
-TRANSPOSE_V_THREADS = 256
+# 128 threads, 4 lanes a chunk: 18.0-18.5 us for 32 MB of V on an H200, a copy of it 17.5 (the pass of
+# 4-byte columns before: 21.0-21.2; 256 threads or 1, 2 or 8 lanes 18.4-20.9; NOTES-fp8, session 49).
+TRANSPOSE_V_THREADS = 128
+TRANSPOSE_V_GROUP_RUN = 4
 V_TRANSPOSED_KEY_ALIGN = 16  # V^T's rows of keys are padded to this (TMA's 16-byte strides; a key group)
 
 
@@ -431,9 +434,10 @@ class TransposeVFp8Variant(Variant):
     template = "cuflash::transpose_v_fp8"
 
     threads: int = TRANSPOSE_V_THREADS
+    group_run: int = TRANSPOSE_V_GROUP_RUN  # lanes on neighbouring key groups (kGroupRun)
 
     def template_args(self) -> tuple[str, ...]:
-        return (str(self.threads),)
+        return (str(self.threads), str(self.group_run))
 
 
 # The CombineSplitsParams struct (cuda_src/combine_splits.cu), field for field.
@@ -905,17 +909,18 @@ def _v_transposed_map_layout(variant: FwdSm90Variant, vt_shape: tuple[int, int, 
 
 def _prepare_transpose_v(problem, v, vt):
     """launch(v, vt, stream) of the pass that writes e4m3 v (batch, seqlen_k, nheads_kv, headdim)
-    into the V^T workspace vt (v_transposed_shape, contiguous). It moves 4-byte columns:
-    select's check_loadable has made v's rows (the head dim, in bytes) multiples of 16."""
-    assert problem.headdim % 4 == 0 and v.ptr % 4 == 0, "v's rows are 16-byte aligned (check_loadable)"
+    into the V^T workspace vt (v_transposed_shape, contiguous). It moves 16-byte chunks of v's rows:
+    select's check_loadable has made them (the head dim, in bytes) 16-byte aligned."""
+    assert problem.headdim % 16 == 0 and v.ptr % 16 == 0, "v's rows are 16-byte aligned (check_loadable)"
+    transpose = TransposeVFp8Variant()
     batch, nheads_kv, headdim, seqlen_pad = vt.shape
-    pairs = -(-seqlen_pad // (2 * V_TRANSPOSED_KEY_ALIGN)) * (headdim // 4)  # 2 key groups x 4 bytes
+    runs = -(-seqlen_pad // (transpose.group_run * V_TRANSPOSED_KEY_ALIGN))
+    units = runs * transpose.group_run * (headdim // 16)  # a key group by a 16-byte chunk each
     template = TRANSPOSE_V_STRUCT.template(v_stride_b=v.strides[0], v_stride_s=v.strides[1], v_stride_h=v.strides[2],
                                            seqlen=problem.seqlen_k, seqlen_pad=seqlen_pad, nheads=nheads_kv,
                                            headdim=headdim)
-    transpose = TransposeVFp8Variant()
     function = jit.get_function(transpose, problem.device.index)
-    grid = (math.ceil(2 * pairs / transpose.threads), nheads_kv, batch)
+    grid = (math.ceil(units / transpose.threads), nheads_kv, batch)
 
     def launch(v, vt, stream) -> None:
         params = bytearray(template)
