@@ -508,8 +508,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     must be positive and finite, as quantize_fp8 makes them: the GPU kernel folds q's and k's into
     the softmax scale (which must stay positive) and divides by v's; their values are not read on
     the host to check. On Hopper at head dim 256 with more than 512 query rows, or from 256 with no
-    more keys than query rows (at 128, more than 2048; at 64, more than 4096) the call also
-    allocates, through the caller's framework, a scratch buffer the size of v8 for V transposed.
+    more keys than query rows (at 128, more than 1024, or 2048 under a causal mask or window; at
+    64, more than 4096) the call also allocates, through the caller's framework, a scratch buffer
+    the size of v8 for V transposed.
     Without return_lse, the Hopper kernel at head dims 64 and 128 (and 256 beyond 512 query rows,
     or from 256 with no more keys) divides out by the row sums of P as rounded to e4m3 (the weights
     P V multiplies, summed on the tensor cores a key block at a time, then in fp32; out's error is
@@ -518,9 +519,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     narrower: 4-6% faster). At 64 and 128 it takes some of P's exponentials from a quadratic on the
     FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3) instead of the
     special-function unit (at 64 up to 4096 query rows, unmasked only): such calls run 2-12%
-    faster. With return_lse, beyond 2048 query rows at 128 (with per-head descales unmasked only)
-    and beyond 4096 at 64 (per-128-row descales, unmasked only), some pairs of P's exponentials come
-    from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4 near each row's
+    faster. With return_lse, where V is transposed beforehand at 128 (with per-head descales
+    unmasked only) and at 64 (per-128-row descales, unmasked only), some pairs of P's exponentials
+    come from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4 near each row's
     maximum, within the LSE's bound): 1.5-4.5% faster.
     """
     return_lse = _check_flag("return_lse", return_lse)

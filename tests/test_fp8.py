@@ -448,9 +448,9 @@ def test_fwd_fp8_sm90_refuses_more_key_blocks_than_its_transposer_counts():
 
 def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     """The FP8 table's pre-transposed rows (head dim 256 beyond 512 query rows or from 256 with no
-    more keys, 128 beyond 2048, 64 beyond 4096): select takes them, and the workspace the caller's
-    framework allocates is declared from the problem alone, keys padded to 16; elsewhere, and where
-    the V^T kernel's grid cannot hold the batch, no workspace."""
+    more keys, 128 beyond 1024 (masked: beyond 2048), 64 beyond 4096): select takes them, and the
+    workspace the caller's framework allocates is declared from the problem alone, keys padded to
+    16; elsewhere, and where the V^T kernel's grid cannot hold the batch, no workspace."""
 
     from cuflash import kernels
     from cuflash.arrays import Device, DeviceArray
@@ -489,9 +489,19 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     assert kernels.workspace(long_64) == {"v_transposed": ((2, 2, 64, 1008), "float8_e4m3fn")}
     assert fwd_sm90.select_fp8(long_64, inputs(long_64)).block_n == 160  # per-head descales: FP8_PER_HEAD_TILES
     assert kernels.workspace(dataclasses.replace(long_64, seqlen_q=4096)) == {}
-    long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k query rows
+    long_128 = dataclasses.replace(problem, headdim=128, seqlen_q=2049)  # head dim 128: beyond 2k, masked or not
     assert fwd_sm90.select_fp8(long_128, inputs(long_128)).v_pretransposed
     assert kernels.workspace(long_128) == {"v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
+    unmasked_128 = dataclasses.replace(long_128, seqlen_q=1025)  # unmasked beyond 1k
+    assert fwd_sm90.select_fp8(unmasked_128, inputs(unmasked_128)).v_pretransposed
+    assert kernels.workspace(dataclasses.replace(long_128, seqlen_q=1024)) == {}
+    # Masked (FP8_MASKED_IN_KERNEL_ROWS), beyond 2k; a causal row that sees every key is not masked.
+    for seqlen_q, window, pretransposed in ((2048, (-1, 0), False), (2049, (-1, 0), True), (2048, (-1, 5000), True),
+                                            (2048, (100, -1), False), (2048, (-1, -1), True)):
+        masked = dataclasses.replace(long_128, seqlen_q=seqlen_q, seqlen_k=seqlen_q, window_left=window[0],
+                                     window_right=window[1])
+        assert fwd_sm90.select_fp8(masked, inputs(masked)).v_pretransposed == pretransposed, (seqlen_q, window)
+        assert bool(kernels.workspace(masked)) == pretransposed
     # There, per-head k and v descales take 192-key blocks (FP8_PER_HEAD_TILES); per-128-row ones 128.
     assert fwd_sm90.select_fp8(long_128, inputs(long_128)).block_n == 192
     per_block = DeviceArray(ptr=1 << 20, shape=(2, 2, 8), strides=(16, 8, 1))

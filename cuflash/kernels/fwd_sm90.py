@@ -113,9 +113,14 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # e4m3's GEMMs are half as long as 16-bit ones against the same softmax, and taking turns for them
 # cost more than it hid); at 64 (half-filled 128-byte rows) three consumer warpgroups (160
 # registers each, the producer 32) measured 1.02-1.15x bf16 against 0.80-0.93x with two.
+# The bound at 128 moved down once the pass took 18 us instead of 21 and the attention kernel
+# started during it (H200, session 49, FA3 sizing, two alternations, V^T beforehand over the
+# in-kernel row): at 128, 2k query rows +4.4% non-causal (+4.0-4.7% with per-128-row descales and/or
+# the LSE) but -2.5% causal, 1k +0.2-0.8% and -7%, 4k +8% (hence FP8_MASKED_IN_KERNEL_ROWS). At 64
+# it stays: 4k +0.5-0.7% non-causal and +1-3.9% causal, but -6.4% per head with the LSE.
 FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
                   (None, (3, 128, 2, "pingpong", "overlap", True))),
-             128: ((2048, (2, 128, 3, "tile", "overlap", False)),
+             128: ((1024, (2, 128, 3, "tile", "overlap", False)),
                    (None, (2, 128, 3, "free", "overlap", True))),
              256: ((512, (2, 128, 2, "pingpong", "overlap", False)),
                    (None, (2, 128, 2, "free", "overlap", True)))}
@@ -128,6 +133,9 @@ FP8_TILES = {64: ((4096, (3, 128, 2, "free", "overlap", False)),
 # non-causal (causal 1k -3%, 8k -12 to -17%), 256 rows with 1k keys -16%. At 128 and 64 it lost at
 # 512 rows and keys (-12% and -16% non-causal).
 FP8_SHORT_KEYS_PRETRANSPOSED = {256: 256}
+# Per compiled head dim: problems whose mask hides keys from some rows (causal, windows) keep the
+# in-kernel FP8_TILES row up to this many query rows, their V blocks serving fewer rows (above).
+FP8_MASKED_IN_KERNEL_ROWS = {128: 2048}
 # Where k's and v's descales are per head (one per batch and kv head), a pre-transposed FP8_TILES row
 # of these head dims gives way to this one: wider blocks spread a block's fixed costs (the row
 # maxima, the waits, O's rescale) over more scores. Per-128-key descales would straddle such a
@@ -177,8 +185,8 @@ def pretransposed(tiles: tuple) -> tuple:
 # - head dim 128, pretransposed 128-key rows (per-128-row descales, attention(fp8=True)): every 6th,
 #   masked 8th (H200, with integer maxima: +0.5-1.1% at 4k-16k and +2.1-2.3% at attention(fp8=True)'s
 #   2k against every 4th without them, masked +1.2-2.1% against every 12th);
-# - head dim 128, in-kernel V^T row (up to 2k rows): every 8th, masked too (H100: 0, 4 and 12
-#   0.3-4% slower);
+# - head dim 128, in-kernel V^T row (up to 2k rows when measured; now 1k, masked 2k): every 8th,
+#   masked too (H100: 0, 4 and 12 0.3-4% slower);
 # - head dim 64: every 12th on the in-kernel rows (H100 +2-2.8% at 1k-4k, masked not taken), every
 #   16th on the row-sums row beyond 4k, masked too (+5-6% at 8k-16k, masked +2-4%); on the H200
 #   neither integer maxima nor other counts (8th-24th) beat these.
@@ -200,7 +208,7 @@ FP8_EXP_ON_FMA = {(64, FP8_TILES[64][1][1]): (16, 16), (64, FP8_TILES[64][0][1])
 # - head dim 64, per-128-row descales beyond 4k rows: every 8th +1.5% at 16k (every 4th ±0);
 # - head dim 128, the per-head 192-key row (once its stale maximum was gone, session 47): every 6th
 #   +2.1% at 4k, +1.5-1.7% at 16k (every 8th +1-1.9%, 4th -0.5 to -1.2% at 16k); masked -0.6%.
-# Not taken: the 128-key rows up to 2k rows (-1 to -2%), the per-head row at 64 (-6 to -9%), head
+# Not taken: the in-kernel 128-key rows (-1 to -2%), the per-head row at 64 (-6 to -9%), head
 # dim 256 (-2%). In place of ex2_fma on FP8_EXP_ON_FMA's rows the pairs measured -5% to +0.4% (-2.6
 # to -3.5% on the per-head row at 128 at its count).
 FP8_LSE_EXP_PAIRS = {(128, FP8_TILES[128][1][1]): (6, 6), (128, FP8_PER_HEAD_TILES[128]): (6, 0),
@@ -740,20 +748,24 @@ def fp8_forced_row(headdim: int) -> tuple[int, int, int, str, str, bool] | None:
 
 def fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     """The FP8_TILES row (or the override) for this problem's compiled head dim and seqlen_q, or its
-    V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where the
-    V^T kernel's grid (a block row per kv head and batch) cannot hold the problem."""
+    V^T-beforehand row where FP8_SHORT_KEYS_PRETRANSPOSED says so; but the in-kernel row where
+    FP8_MASKED_IN_KERNEL_ROWS says so or the V^T kernel's grid (a block row per kv head and batch)
+    cannot hold the problem."""
     headdim = compiled_headdim(problem.headdim, FP8_HEADDIMS)
     forced = fp8_forced_row(headdim)
     if forced is not None:
         return forced
     rows = FP8_TILES[headdim]
     short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
+    in_kernel = next(tiles for _, tiles in rows if not tiles[5])
     if short_keys is not None and short_keys <= problem.seqlen_q and problem.seqlen_k <= problem.seqlen_q:
         tiles = next(tiles for _, tiles in rows if tiles[5])
+    elif not sees_every_key(problem) and problem.seqlen_q <= FP8_MASKED_IN_KERNEL_ROWS.get(headdim, 0):
+        tiles = in_kernel
     else:
         tiles = next(tiles for bound, tiles in rows if bound is None or problem.seqlen_q <= bound)
     if tiles[5] and max(problem.batch, problem.nheads_kv) > MAX_GRID_YZ:
-        tiles = next(tiles for _, tiles in rows if not tiles[5])
+        tiles = in_kernel
     return tiles
 
 
