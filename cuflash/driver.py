@@ -22,7 +22,8 @@ LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id padded to 8 bytes, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("id_pad", ctypes.c_int), ("value", ctypes.c_int), ("value_rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("id_pad", ctypes.c_int), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -62,7 +63,8 @@ class DependentLaunch:
 
     def __call__(self, params: bytearray, stream) -> None:
         """Launch on `stream` (a CuPy stream) with the parameter struct `params` (copied at the call)."""
-        config = _LaunchConfig(self._grid, self._block, self._shared_mem, stream.ptr, ctypes.pointer(self._attribute), 1)
+        config = _LaunchConfig(self._grid, self._block, self._shared_mem, stream.ptr, ctypes.pointer(self._attribute),
+                               1)
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof((ctypes.c_char * len(params)).from_buffer(params)))
         status = _launch_kernel_ex()(ctypes.byref(config), self._function, pointers, None)
         if status != 0:
