@@ -23,7 +23,7 @@ static_assert(sizeof(TransposeVFp8Params) == 56, "TransposeVFp8Params must match
 // A thread takes one key group and one 16-byte chunk of the head dim (16 dims): 16 vector loads
 // (keys) and 16 vector stores (head-dim rows), 256 bytes in flight. kGroupRun lanes take
 // neighbouring key groups of one chunk, so each row a warp stores gets 16 kGroupRun contiguous bytes
-// and each key row it loads 512 / kGroupRun. V is read once: its loads stream past L1.
+// and each key row it loads up to 512 / kGroupRun. V is read once: its loads stream past L1.
 template <int kThreads, int kGroupRun>
 __global__ void __launch_bounds__(kThreads) transpose_v_fp8(const __grid_constant__ TransposeVFp8Params p) {
   // The attention kernel, launched as this pass's programmatic dependent, may take SMs as this

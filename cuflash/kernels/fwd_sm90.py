@@ -91,8 +91,8 @@ SOFTCAP_TILES = {64: (2, 128, 3, "pingpong", "overlap"), 128: (2, 128, 2, "pingp
 # before the attention kernel, which then loads it with TMA like K; otherwise the producer
 # warpgroup transposes each block in shared memory. The pass over V (H100: 2.2-2.35 TB/s, 29 us for
 # 32 MB) and a workspace of V's size buy, at head dim 256, +21-28% non-causal and +12-25% causal
-# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then); on H200 the pass is 21 us, 2-3% of the call at
-# 256 8k, and writing V^T in the attention kernel instead (its producer warps, or all its threads
+# from 2k (FA3 sizing, 1,164 TFLOPs at 16k then); on H200 the pass was 21 us, 2-3% of the call at
+# 256 8k (18 us since session 49, below), and writing V^T in the attention kernel instead (its producer warps, or all its threads
 # before the roles split) won back at most 0.4-1.2 points of that (benchmarks/NOTES-fp8.md, session
 # 48). It pays when V blocks serve enough query rows: at 8k keys and head dim 256, 1k and 2k query
 # rows 6-17% faster, up to 512 rows 2-12% slower, GQA or not. At 128, beyond 2k query rows
@@ -988,6 +988,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
         return launch_nothing
     extents = {"q": (problem.nheads, variant.block_m), "k": (problem.nheads_kv, variant.block_n),
                "v": (problem.nheads_kv, variant.block_n)}
+    transpose_v = None  # the pass that writes V^T first, where the launch runs it
     if variant.v_pretransposed:  # V^T's map is of the workspace, written at each launch
         del extents["v"]
         vt_layout = _v_transposed_map_layout(variant, outputs["v_transposed"].shape)
@@ -1033,8 +1034,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     # After the V^T pass the kernel may start before the pass ends (its producer waits for the pass
     # before its first V^T load). Head dim 256, H200, over an ordinary launch: +1.5-2.7% at 1k keys,
     # +0.6-0.9% at 4k, +0.3% at 8k (within noise), +0.2% at 16k (NOTES-fp8, session 49).
-    launch_after_pass = (driver.DependentLaunch(function, grid, block, shared_mem)
-                         if variant.v_pretransposed and transpose_v else None)
+    launch_after_pass = driver.DependentLaunch(function, grid, block, shared_mem) if transpose_v else None
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
