@@ -116,11 +116,14 @@ struct FwdSm90Params {
   // those calls run the split variants, and the others keep row / 128).
   int q_descale_shift;
   // Dense: out as a rank-4 map {dim, heads, seqlen, batch} of boxes of one 16-bit swizzle row by 64
-  // rows, for the epilogue's TMA stores (varlen: unused). Last (its 64-byte alignment pads the
-  // struct), so that no field before it moved.
+  // rows, for the epilogue's TMA stores (varlen: unused). Its 64-byte alignment pads the struct;
+  // nothing before it moved since.
   TmaMap o_map;
+  // Nonzero where the kernels launched just before this one, as a chain of programmatic dependents,
+  // write every input it reads (fwd_quantized_sm90): its threads wait for them before reading any.
+  int wait_for_inputs;
 };
-static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
+static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params must match FWD_SM90_PARAMS in cuflash/kernels/fwd_sm90.py");
 
 // How the consumer warpgroups keep in step: they start each tile together (kSyncTile), take turns
 // issuing their GEMMs (kSyncPingPong), or neither (kSyncFree; each still reads its tile from Q's
@@ -515,6 +518,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
     fence_proxy_async_shared();
   }
   __syncthreads();
+  if constexpr (kFp8) {  // (the setup above may overlap the tail of the chain's last kernel)
+    if (p.wait_for_inputs) griddepcontrol_wait();
+  }
 
   // Every tile, the producer writes its index in the next Q buffer's slot (index >= num_tiles
   // tells the consumers to stop) and arrives on q_full (with Q's bytes to wait for, or none when

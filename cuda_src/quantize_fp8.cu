@@ -23,6 +23,7 @@
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
 // amaxes to its descale, kHeadConvert converts with it; x is read twice.
+#include "common/grid_dependency.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -239,6 +240,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && (kHeadDim & (kHeadDim - 1)) == 0 && kHeadDim <= 256,
                 "a power-of-two head dim of 64 to 256");
+  const ChainLink link;  // attention(fp8=True)'s chain of launches (fwd_quantized_sm90); else no-ops
   using L = Layout<kHeadDim, kHadamard>;  // a row stays within a warp
   constexpr int kThreads = quantize_threads(kBlockRows, kHeadDim);
   constexpr int kRowStep = kThreads / L::kLanes;  // rows between a thread's rows
@@ -390,6 +392,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
                                   1024 / quantize_threads(kBlockRows, kHeadDim))
     quantize_fp8_vt(const __grid_constant__ QuantizeFp8Params p) {
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256 && sizeof(T) == 2, "16-bit V, head dim 64 to 256");
+  const ChainLink link;  // attention(fp8=True)'s chain of launches (fwd_quantized_sm90)
   static_assert(kBlockRows % 32 == 0, "a warp's 32 keys lie in one block");
   constexpr int kThreads = quantize_threads(kBlockRows, kHeadDim);
   constexpr int kWarps = kThreads / 32;

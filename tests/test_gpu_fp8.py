@@ -652,6 +652,37 @@ def test_fp8_kernel_launched_during_the_v_transpose_pass_reads_what_the_pass_wro
 
 
 @hopper_only
+def test_fp8_true_chain_of_launches_waits_for_every_quantizer():
+    """attention(fp8=True) launches the quantizers of q, k and v and the attention kernel as a chain
+    of programmatic dependents (quantized_sm90.prepare; grid_dependency.cuh, ChainLink): each starts
+    as the CTAs of the one before have all started, and the attention kernel waits before it reads,
+    but a wait covers only the kernel one link back, so each link keeps its threads until the one
+    before it has completed. Here q's quantizer runs long (32k rows of 16 heads, several waves) and
+    k's and v's short (256 keys): were the chain to let a link end first, the attention kernel would
+    read q's poisoned workspace. Eagerly (workspace poisoned, the codes against quantize_fp8's, a
+    second run's bits), replayed from a CUDA graph (programmatic edges) and under jax.jit."""
+    kw = dict(causal=False, window=(-1, -1), softmax_scale=None)
+    _fp8_true_case(128, 1, 32768, 256, 2, 8, kw, True, torch.bfloat16, None, False, False, 50)
+    g = torch.Generator(device="cuda").manual_seed(51)
+    q = torch.randn(1, 32768, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 256, 2, 128, device="cuda", generator=g, dtype=q.dtype) for _ in range(2))
+    want = cuflash.attention(q, k, v, fp8=True, hadamard=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuflash.attention(q, k, v, fp8=True, hadamard=True)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() == "gpu":  # XLA's stream and workspace
+        got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, fp8=True, hadamard=True))(
+            *(jax.dlpack.from_dlpack(x) for x in (q, k, v)))
+        assert torch.equal(torch.from_dlpack(got), want)
+
+
+@hopper_only
 def test_fp8_attention_under_jax_jit_matches_torch():
     """JAX arrays on the GPU: attention(fp8=True) under jax.jit, where XLA allocates the outputs and
     the V^T workspace (head dim 256 beyond 512 query rows), gives torch's bits; so does

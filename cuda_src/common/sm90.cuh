@@ -5,6 +5,7 @@
 // named below).
 #pragma once
 
+#include "grid_dependency.cuh"
 #include "sm80.cuh"
 #include "wgmma.cuh"
 
@@ -101,21 +102,6 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-
-// ---------------------------------------------------------------- programmatic dependent launch
-// (PTX ISA, griddepcontrol; launched so by driver.DependentLaunch). Both are no-ops in a grid
-// launched without the dependency.
-
-// The kernel after this one in the stream, launched as a programmatic dependent, may start once
-// every CTA of this grid has run this or exited (its griddepcontrol.wait still waits for this grid
-// to complete). Once per CTA is enough.
-__device__ __forceinline__ void griddepcontrol_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-// Waits until the grid this one depends on has completed and its memory operations are visible
-// (to this thread, and to the TMA loads it issues after).
-__device__ __forceinline__ void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------- TMA (hopper.md section 5)
 

@@ -285,8 +285,8 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
               for part, t in (("mul", np.uint32), ("shift", np.int32))]
            + [("window_pair0", np.int32), ("num_splits", np.int32), ("split_blocks", np.int32),
               ("splits_mul", np.uint32), ("splits_shift", np.int32), ("q_descale_shift", np.int32),
-              ("o_map", (np.void, tma.MAP_BYTES))])  # o_map 64-byte aligned
-FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 768})
+              ("o_map", (np.void, tma.MAP_BYTES)), ("wait_for_inputs", np.int32)])  # o_map 64-byte aligned
+FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 832})
 assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
 assert FWD_SM90_PARAMS.fields["o_map"][1] == 640, "keep in step with FwdSm90Params"
 PARAMS = ParamStruct(FWD_SM90_PARAMS)
@@ -970,12 +970,14 @@ def tile_window(pairs: int, blocks_m: int, ctas: int, seqlen_k: int) -> tuple[in
     return 0, 1
 
 
-def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_transposed_given: bool = False):
+def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, after_chain: bool = False):
     """Family.prepare: the grid, the parameter struct without addresses and the tensor maps' layouts,
     made once; each launch writes the addresses in, looks the maps up by address (tma.encode_tiled
     remembers them) and takes the next tile-counter slot. A pre-transposed e4m3 variant reads V^T
     from outputs["v_transposed"]: written from inputs["v"] by a pass the launch runs first, or
-    (v_transposed_given: the fwd_quantized_sm90 family's launch, inputs without v) already there."""
+    already there. after_chain: the fwd_quantized_sm90 family's launch, the last of a chain of
+    programmatic dependents (grid_dependency.cuh, ChainLink) whose kernels, launched just before,
+    write all of its inputs (V^T among them; no v): it waits for them before reading any."""
     blocks_m = math.ceil(problem.seqlen_q / variant.block_m)
     # Split-KV: as many parts as the workspace holds. It was declared for the problem before JAX's
     # vmap folded more into its batch, and kv_splits may count the folded problem otherwise (never
@@ -992,7 +994,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     if variant.v_pretransposed:  # V^T's map is of the workspace, written at each launch
         del extents["v"]
         vt_layout = _v_transposed_map_layout(variant, outputs["v_transposed"].shape)
-        transpose_v = None if v_transposed_given else _prepare_transpose_v(problem, inputs["v"], outputs["v_transposed"])
+        transpose_v = None if after_chain else _prepare_transpose_v(problem, inputs["v"], outputs["v_transposed"])
     maps = [(f"{name}_map", name, map_layout(problem, inputs[name], *extent)) for name, extent in extents.items()]
     # The epilogue's TMA stores of a consumer's rows.
     o_layout = (map_layout(problem, outputs["out"], problem.nheads, ROWS_PER_CONSUMER, variant.out_dtype)
@@ -1001,7 +1003,7 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
     split_blocks = math.ceil(math.ceil(problem.seqlen_k / variant.block_n) / parts)
     fields = dict(seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k, group=group, headdim=problem.headdim,
                   nheads=problem.nheads, blocks_m=blocks_m, num_tiles=num_tiles, num_splits=parts,
-                  split_blocks=split_blocks, **mask_and_softmax_fields(problem))
+                  split_blocks=split_blocks, wait_for_inputs=int(after_chain), **mask_and_softmax_fields(problem))
     if variant.split_kv:  # the partials' strides, (batch, part) one index
         if not variant.masked:  # every row sees every key (kv_splits)
             fields.update(window_left=-1, window_right=-1)
@@ -1033,8 +1035,9 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
                  else {name: name for name in ("out", "lse") if name in outputs})
     # After the V^T pass the kernel may start before the pass ends (its producer waits for the pass
     # before its first V^T load). Head dim 256, H200, over an ordinary launch: +1.5-2.7% at 1k keys,
-    # +0.6-0.9% at 4k, +0.3% at 8k (within noise), +0.2% at 16k (NOTES-fp8, session 49).
-    launch_after_pass = driver.DependentLaunch(function, grid, block, shared_mem) if transpose_v else None
+    # +0.6-0.9% at 4k, +0.3% at 8k (within noise), +0.2% at 16k (NOTES-fp8, session 49). After the
+    # chain of quantizers, its setup overlaps their tail.
+    dependent = driver.DependentLaunch(function, grid, block, shared_mem) if transpose_v or after_chain else None
 
     def launch_prepared(inputs, outputs, stream) -> None:
         params = bytearray(template)
@@ -1053,8 +1056,8 @@ def prepare(variant: FwdSm90Variant, function, problem, inputs, outputs, v_trans
         if fp8:
             PARAMS.write(params, "descale", *(inputs[name].ptr for name in _DESCALES))
         PARAMS.write(params, "counter_slot", next(_counter_slots))
-        if launch_after_pass:
-            launch_after_pass(params, stream)
+        if dependent:
+            dependent(params, stream)
         else:
             function(grid, block, (PARAMS.argument(params),), shared_mem=shared_mem, stream=stream)
         if variant.split_kv:

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import jit, reference
+from .. import driver, jit, reference
 from . import (CXX_TYPES, MAX_GRID_YZ, Family, ParamStruct, Variant, cxx_bool, launch_nothing,
                rows_aligned)
 
@@ -164,9 +164,11 @@ def _items_split(device_index: int, batch: int, nheads: int, seqlen: int, block_
     return per_cta, (-(-items // per_cta), batch)
 
 
-def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
+def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dependent: bool = False):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
-    writes the arrays' addresses in."""
+    writes the arrays' addresses in. dependent: one scale per block (one launch), launched as a
+    link of fwd_quantized_sm90's chain (the programmatic dependent of the kernel before it: the
+    kernel's ChainLink)."""
     # A CTA per `per_cta` (block of variant.block_rows rows, head) items (a sequence shorter than a
     # block is one short block), the heads of a block next to each other; batch on grid y.
     # descale (batch, nheads, blocks) or (batch, nheads), contiguous, as api.quantize_fp8 allocates
@@ -187,25 +189,28 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs):
         fields.update(zip((f"{name}_stride_b", f"{name}_stride_s", f"{name}_stride_h"), x.strides[:3]))
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
-    launches = [(PARAMS.template(**fields, **{"pass": p}), grid) for p, grid in passes]
+    assert not dependent or len(passes) == 1, "a link of a chain is one launch"
     block_dim = (threads(rows, variant.headdim),)
+    launches = [(PARAMS.template(**fields, **{"pass": p}), _launcher(function, grid, block_dim, dependent))
+                for p, grid in passes]
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:
-        for template, grid in launches:
+        for template, launch in launches:
             params = bytearray(template)
             PARAMS.write_addresses(params, inputs, ("x",))
             PARAMS.write_addresses(params, outputs, written)
-            function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
+            launch(params, stream)
 
     return launch_prepared
 
 
 def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_index: int, batch: int, seqlen: int,
-                       nheads: int, headdim: int, v, vt):
+                       nheads: int, headdim: int, v, vt, dependent: bool = False):
     """launch(v, vt, descale, stream) of quantize_fp8_vt: v (batch, seqlen, nheads, headdim) laid out
     as `v`, into vt (batch, nheads, headdim, seqlen padded to 16; contiguous) with one descale per
-    block of variant.block_rows keys (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s."""
+    block of variant.block_rows keys (batch, nheads, blocks; contiguous). Items and grid as `prepare`'s;
+    dependent as theirs."""
     blocks = reference.fp8_blocks(seqlen, variant.block_rows)
     if blocks * nheads * batch == 0:
         return lambda v, vt, descale, stream: None
@@ -217,14 +222,22 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_i
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
                                x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], items_per_cta=per_cta,
                                **{"pass": BLOCK_SCALES})
-    block_dim = (threads(variant.block_rows, variant.headdim),)
+    launch_params = _launcher(function, grid, (threads(variant.block_rows, variant.headdim),), dependent)
 
     def launch(v, vt, descale, stream) -> None:
         params = bytearray(template)
         PARAMS.write_addresses(params, dict(x=v, x8=vt, descale=descale), ("x", "x8", "descale"))
-        function(grid, block_dim, (PARAMS.argument(params),), stream=stream)
+        launch_params(params, stream)
 
     return launch
+
+
+def _launcher(function, grid: tuple[int, int], block: tuple[int], dependent: bool):
+    """launch(params, stream) of `function` (either kernel; static shared memory only): as a
+    programmatic dependent (driver.DependentLaunch), or an ordinary launch."""
+    if dependent:
+        return driver.DependentLaunch(function, grid, block, 0)
+    return lambda params, stream: function(grid, block, (PARAMS.argument(params),), stream=stream)
 
 
 FAMILY = Family(
