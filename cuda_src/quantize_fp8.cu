@@ -22,7 +22,9 @@
 //
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
-// amaxes to its descale, kHeadConvert converts with it; x is read twice.
+// amaxes to its descale, kHeadConvert converts with it; x is read twice. The second and third are
+// launched as programmatic dependents of the one before (quantize_fp8.py), each waiting for it
+// just before it reads what that one wrote: the third loads its first item of x meanwhile.
 #include "common/grid_dependency.cuh"
 #include "common/types.cuh"
 
@@ -254,6 +256,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
 
   if (p.pass == kHeadScale) {  // a CTA per (head blockIdx.x, batch b)
     const long long head = static_cast<long long>(b) * p.nheads + blockIdx.x;
+    griddepcontrol_wait();  // kHeadAmax's block_amax
     float amax = 0.f;
     for (int i = threadIdx.x; i < nblocks; i += kThreads) amax = fmaxf(amax, p.block_amax[head * nblocks + i]);
     amax = cta_max<kWarps>(amax, warp_amax[0]);
@@ -309,6 +312,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
     const long long head = static_cast<long long>(b) * p.nheads + h;
     float descale;
     if (p.pass == kHeadConvert) {
+      griddepcontrol_wait();  // (a no-op after the first item)
       descale = p.descale[head];  // kHeadScale's
     } else {  // fmaxf skips NaNs: they do not count towards the scale (a NaN stays NaN in x8)
       float amax = 0.f;

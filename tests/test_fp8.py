@@ -587,8 +587,10 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
     reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
     grid x (ITEMS_PER_CTA, or the items spread over one wave where that leaves fewer on the busiest
-    SM), batch on grid y; grids that do not fit are refused by name."""
-    from cuflash import jit, kernels
+    SM), batch on grid y; the second and third launches per head as programmatic dependents of the
+    one before (as the first too with dependent=True, a link of attention(fp8=True)'s chain); grids
+    that do not fit are refused by name."""
+    from cuflash import driver, jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
     from cuflash.problem import Problem
@@ -609,19 +611,34 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     assert kernels.workspace(per_block) == {}
     assert kernels.workspace(problem) == {"block_amax": ((2, 3, 3), "float32")}
 
-    launches = []
+    launches, dependent = [], []
     def function(grid, block, args, stream):
         launches.append((grid, block, np.frombuffer(args[0].tobytes(), quantize.QUANTIZE_FP8_PARAMS)[0]))
+        dependent.append(False)
+
+    class DependentLaunch:  # driver.DependentLaunch's: the same record
+        def __init__(self, kernel, grid, block, shared_mem):
+            assert kernel is function and shared_mem == 0
+            self.grid, self.block = grid, block
+
+        def __call__(self, params, stream):
+            function(self.grid, self.block, (np.frombuffer(params, np.uint8),), stream)
+            dependent[-1] = True
+
+    monkeypatch.setattr(driver, "DependentLaunch", DependentLaunch)
     variant = quantize.select(problem, {"x": rows(problem)})
     arrays = {"x": rows(problem), "x8": rows(problem, ptr=2 << 20), "descale": DeviceArray(3 << 20, (2, 3), (3, 1)),
               "block_amax": DeviceArray(4 << 20, (2, 3, 3), (9, 3, 1))}
     items = (9, 2)  # 3 blocks of 3 heads, batch 2: 18 items for 264 CTAs (two of 512 threads an SM), one each
-    for p, passes in ((per_block, [(quantize.BLOCK_SCALES, items)]),
-                      (problem, [(quantize.HEAD_AMAX, items), (quantize.HEAD_SCALE, (3, 2)),
-                                 (quantize.HEAD_CONVERT, items)])):
+    for p, passes, chained in ((per_block, [(quantize.BLOCK_SCALES, items)], False),
+                               (problem, [(quantize.HEAD_AMAX, items), (quantize.HEAD_SCALE, (3, 2)),
+                                          (quantize.HEAD_CONVERT, items)], False),
+                               (per_block, [(quantize.BLOCK_SCALES, items)], True)):
         launches.clear()
-        quantize.prepare(variant, function, p, arrays, arrays)(arrays, arrays, None)
+        dependent.clear()
+        quantize.prepare(variant, function, p, arrays, arrays, dependent=chained)(arrays, arrays, None)
         assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
+        assert dependent == [chained] + [True] * (len(passes) - 1)
         assert all(block == (quantize.threads(128, 128),) == (512,) for _, block, _ in launches)
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
                    and params["x"] == 1 << 20 and params["x8"] == 2 << 20 and params["items_per_cta"] == 1
@@ -631,6 +648,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     wide_variant = quantize.select(wide, {"x": rows(wide)})
     assert wide_variant.block_rows == 192 and wide_variant in quantize.VARIANTS
     launches.clear()
+    dependent.clear()
     quantize.prepare(wide_variant, function, wide, arrays, arrays)(arrays, arrays, None)
     assert [(int(params["pass"]), grid, block) for grid, block, params in launches] == [
         (quantize.BLOCK_SCALES, (6, 2), (768,))]

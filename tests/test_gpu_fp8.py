@@ -11,13 +11,14 @@ same bits."""
 import contextlib
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import arrays, dispatch, reference
+from cuflash import arrays, dispatch, kernels, reference
 from cuflash.kernels import fwd_sm90
 from cuflash.problem import Problem
 
@@ -680,6 +681,49 @@ def test_fp8_true_chain_of_launches_waits_for_every_quantizer():
         got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, fp8=True, hadamard=True))(
             *(jax.dlpack.from_dlpack(x) for x in (q, k, v)))
         assert torch.equal(torch.from_dlpack(got), want)
+
+
+@hopper_only
+def test_quantize_fp8_per_head_launches_each_wait_for_the_one_before():
+    """quantize_fp8 with one scale per head takes three launches (each block's amax, a head's descale
+    from them, the codes), the second and third programmatic dependents of the one before; the
+    third loads its first item of x before it waits for the descales. With x8, the descales and the
+    block-amax workspace poisoned, a long tensor (several waves of CTAs; outliers late in one head,
+    so its descale comes from the last blocks) gives the reference's descales and codes, a second
+    run the same bits, and so does a CUDA graph's replay."""
+    g = torch.Generator(device="cuda").manual_seed(52)
+    x = torch.randn(1, 40000, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    x[:, 39000::37, 5] *= 30
+    problem = Problem(op="quantize_fp8", framework="torch", device=arrays.Device("cuda", x.device.index or 0),
+                      dtype="bfloat16", batch=1, seqlen_q=40000, seqlen_k=40000, nheads=8, nheads_kv=8, headdim=128,
+                      fp8_block=None, hadamard_seed=0)
+    shapes = dict(x8=(x.shape, "float8_e4m3fn"), descale=((1, 8), "float32"), **kernels.workspace(problem))
+    assert "block_amax" in shapes
+
+    def run():
+        outputs = {name: gpu_attention._poisoned(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        dispatch.execute(problem, dict(x=x), outputs, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        return outputs["x8"].view(torch.uint8), outputs["descale"]
+
+    x8, descale = run()
+    want8, want_descale = reference.quantize_fp8(x.cpu().float().numpy(), None, 0)
+    np.testing.assert_allclose(descale.cpu().numpy(), want_descale, rtol=2e-6)
+    got = x8.cpu().numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = want8.astype(np.float64)
+    assert (np.abs(got - want) <= reference.e4m3_spacing(want) + 1e-12).all()
+    assert np.mean(got != want) < 1e-3
+    again8, again_descale = run()
+    assert torch.equal(again8, x8) and torch.equal(again_descale, descale), "moved between identical runs: a race"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured8, captured_descale = cuflash.quantize_fp8(x, hadamard=True, seed=0)
+    for _ in range(2):
+        captured8.view(torch.uint8).fill_(0x7F)
+        captured_descale.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured8.view(torch.uint8), x8) and torch.equal(captured_descale, descale)
 
 
 @hopper_only
