@@ -12,7 +12,8 @@ same fp16/bf16 inputs:
   plus 1e-4 (bwd_sm80's errors measured about 0.5 eps times that value on H100; a wrong mask, block
   or sum is off by about the largest value itself); the backward preprocess (float32
   sums): 1e-5 relative.
-- FP8 attention (quantize_fp8 per head or per 128-row block, then attention_fp8; through torch, as
+- FP8 attention (quantize_fp8 per head or per block of 128 rows (of 192 for k and v at head dims
+  65-128: attention_fp8's kv_block), then attention_fp8; through torch, as
   CuPy has no e4m3 dtype) against the reference on the dequantized inputs: max abs error at most 2x
   that of a plain FP8 attention (P = exp(s - rowmax) * 2^8 rounded to e4m3 before P V, as any e4m3
   P V must) plus 1e-4; lse within 1e-3 plus 2^-11 of the row's largest scaled |q||k| dot product
@@ -90,8 +91,8 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     nheads_kv = int(rng.integers(1, 3))
     nheads = nheads_kv * int(rng.choice((1, 2, 4)))
     features = {}
-    if op == "quantize_fp8":  # per head or per 128-row block, and the transform (a power-of-two head dim)
-        features["block"] = (None, reference.FP8_BLOCK)[int(rng.integers(2))]
+    if op == "quantize_fp8":  # per head or per block of rows, and the transform (a power-of-two head dim)
+        features["block"] = _draw_fp8_block(rng, headdim)
         features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
     elif op != "backward_preprocess":
         if rng.random() < 0.5:
@@ -99,7 +100,7 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
         elif rng.random() < 0.3:
             features["window"] = (int(rng.integers(0, 200)), int(rng.integers(0, 200)))
         if op == "attention_fp8_forward":
-            features["block"] = (None, reference.FP8_BLOCK)[int(rng.integers(2))]
+            features["block"] = _draw_fp8_block(rng, headdim)
         elif fp8:
             features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
         elif rng.random() < 0.25:
@@ -112,6 +113,14 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
     seqlen_k = seqlen_q if op in ("backward_preprocess", "quantize_fp8") else int(rng.integers(1, 700))
     return Case(family.name, op, dtype, int(rng.integers(1, 3)), seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
                 features, deterministic)
+
+
+def _draw_fp8_block(rng, headdim: int) -> int | None:
+    """quantize_fp8's block: None (per head), FP8_BLOCK rows, or at head dims 65-128
+    FP8_WIDE_KEY_BLOCK rows (attention_fp8's k and v with kv_block=192)."""
+    blocks = (None, reference.FP8_BLOCK) + ((reference.FP8_WIDE_KEY_BLOCK,) if headdim in reference.FP8_WIDE_HEADDIMS
+                                            else ())
+    return blocks[int(rng.integers(len(blocks)))]
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -239,7 +248,8 @@ def _torch_io(case: Case, on_gpu: bool):
 
 
 def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
-    """attention_fp8 on quantize_fp8's outputs, or attention(fp8=True) (attention_quantized_forward)
+    """attention_fp8 on quantize_fp8's outputs (k and v per head or per block of 128 or 192 rows: its
+    kv_block), or attention(fp8=True) (attention_quantized_forward)
     against the reference's quantization of its inputs (q per 128 rows, k and v per
     reference.fp8_key_block rows, seed 0 for the transform; the GPU's Hadamard sums in float32 may
     put a rare code one step from the reference's, far within the bound)."""
@@ -253,10 +263,15 @@ def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
                                  backend=backend, **features)
         q, k, v = reference.quantized_inputs(q, k, v, api._FP8_SEED if hadamard else None)
     else:
-        quantized = [api.quantize_fp8(put(x), block=case.features["block"]) for x in (q, k, v)]
+        block = case.features["block"]  # k's and v's (q's per 128 rows where they are per 192: kv_block)
+        wide = block == reference.FP8_WIDE_KEY_BLOCK
+        blocks = (reference.FP8_BLOCK if wide else block, block, block)
+        quantized = [api.quantize_fp8(put(x), block=b) for x, b in zip((q, k, v), blocks)]
         out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,
-                                     return_lse=True, backend=backend, **features)
-        q, k, v = (reference.dequantize_fp8(get(x8), get(d)) for x8, d in quantized)
+                                     return_lse=True, kv_block=block if wide else reference.FP8_BLOCK,
+                                     backend=backend, **features)
+        q, k, v = (reference.dequantize_fp8(get(x8), get(d), b or reference.FP8_BLOCK)
+                   for (x8, d), b in zip(quantized, blocks))
     want_out, want_lse = reference.forward(q, k, v, **features)
     plain = _round(reference.forward_p_e4m3(q, k, v, **features), case.dtype)
     err, bound = _max_err(get(out), want_out), 2 * _max_err(plain, want_out) + 1e-4

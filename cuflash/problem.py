@@ -49,7 +49,11 @@ class Problem:
     backend: str | None = None  # a kernel family's backend name ("sm80", "sm90") the caller forced
     deterministic: bool = False  # backward ops: bit-identical gradients from run to run
     out_dtype: str | None = None  # attention_fp8/quantized_forward: out's dtype (fp8: the inputs are float8_e4m3fn)
-    fp8_block: int | None = None  # quantize_fp8: rows per scale, reference.FP8_BLOCK (None: one scale per head)
+    # quantize_fp8: rows per scale (reference.FP8_BLOCK or FP8_WIDE_KEY_BLOCK; None: one scale per head);
+    # attention_fp8_forward: reference.FP8_WIDE_KEY_BLOCK where k's or v's descales are per 192 rows
+    # (None: per reference.FP8_BLOCK rows, or per head);
+    # attention_quantized_forward: q's, reference.FP8_BLOCK (k's and v's: reference.fp8_key_block)
+    fp8_block: int | None = None
     hadamard_seed: int | None = None  # quantize_fp8, attention_quantized_forward (q and k): the transform's seed
     with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as
     # rounded, and some exponentials a quadratic's: fwd_sm90.fp8_variant)

@@ -523,21 +523,23 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, caus
 # quantization is the only difference from `forward`.
 
 E4M3_MAX = 448.0
-FP8_BLOCK = 128  # rows per block scale: the one block size quantize_fp8 and attention_fp8 take (the GPU
-# FP8 attention kernel applies the K and V descales once per block of 128 keys)
-# attention(q, k, v, fp8=True)'s k and v scales at head dims 65-128 from FP8_WIDE_KEYS_FROM keys: the
-# GPU kernel's key block there (192 keys; 128-row scales would straddle its blocks). End to end on an
+FP8_BLOCK = 128  # rows per block scale: q's always, and k's and v's unless FP8_WIDE_KEY_BLOCK (the GPU
+# FP8 attention kernel applies the K and V descales once per block of keys)
+# k's and v's block at head dims 65-128 (FP8_WIDE_HEADDIMS), the GPU kernel's key block there (192
+# keys; 128-row scales would straddle its blocks, so they run 128-key blocks): attention_fp8's
+# kv_block=192, and attention(q, k, v, fp8=True)'s from FP8_WIDE_KEYS_FROM keys. End to end on an
 # H200 (session 45, benchmarks/NOTES-fp8.md) against 128-row scales on 128-key blocks: 1.035x at 2k
 # keys, 1.056x at 4k, 1.13x at 16k (causal 1.01x, 1.02x, 1.09x), but 0.94x at 1k, where the
 # quantizers' larger blocks cost more than the wider blocks save.
 FP8_WIDE_KEY_BLOCK = 192
+FP8_WIDE_HEADDIMS = range(65, 129)
 FP8_WIDE_KEYS_FROM = 2048
 
 
 def fp8_key_block(headdim: int, seqlen_k: int) -> int:
     """Rows per scale of k and v in attention(q, k, v, fp8=True) (attention_quantized): FP8_WIDE_KEY_BLOCK
     at head dims 65 to 128 with at least FP8_WIDE_KEYS_FROM keys, else FP8_BLOCK (q always FP8_BLOCK)."""
-    return FP8_WIDE_KEY_BLOCK if 64 < headdim <= 128 and seqlen_k >= FP8_WIDE_KEYS_FROM else FP8_BLOCK
+    return FP8_WIDE_KEY_BLOCK if headdim in FP8_WIDE_HEADDIMS and seqlen_k >= FP8_WIDE_KEYS_FROM else FP8_BLOCK
 
 
 def _e4m3():
@@ -635,10 +637,11 @@ def forward_p_e4m3(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1)
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
-                  window=(-1, -1)):
-    """`forward` on the dequantized inputs, in float64: (out, lse)."""
-    return forward(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale), dequantize_fp8(v8, v_descale),
-                   causal=causal, softmax_scale=softmax_scale, window=window)
+                  window=(-1, -1), kv_block: int = FP8_BLOCK):
+    """`forward` on the dequantized inputs, in float64: (out, lse). Block descales: q's per FP8_BLOCK
+    rows, k's and v's per kv_block rows (FP8_BLOCK or FP8_WIDE_KEY_BLOCK)."""
+    return forward(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale, kv_block),
+                   dequantize_fp8(v8, v_descale, kv_block), causal=causal, softmax_scale=softmax_scale, window=window)
 
 
 def quantized_inputs(q, k, v, hadamard_seed: int | None = None) -> list[np.ndarray]:

@@ -128,7 +128,7 @@ def _quantize_fp8(x: torch.Tensor, block: Optional[int], hadamard: bool,
 @_quantize_fp8.register_fake
 def _(x, block, hadamard, seed):
     batch, seqlen, nheads, _ = x.shape
-    descale = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen))
+    descale = (batch, nheads) if block is None else (batch, nheads, reference.fp8_blocks(seqlen, block))
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(descale, dtype=torch.float32)
 
 
@@ -146,16 +146,16 @@ def _fake_lse(x: torch.Tensor, return_lse: bool) -> torch.Tensor:
 @torch.library.custom_op("cuflash::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
                        k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int, out_dtype: torch.dtype,
-                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       window_left: int, window_right: int, out_dtype: torch.dtype, return_lse: bool,
+                       kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _lse_or_empty(api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal,
                                            softmax_scale=softmax_scale, window=(window_left, window_right),
-                                           out_dtype=out_dtype, return_lse=return_lse), return_lse)
+                                           out_dtype=out_dtype, return_lse=return_lse, kv_block=kv_block), return_lse)
 
 
 @_attention_fp8_fwd.register_fake
 def _(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, out_dtype,
-      return_lse):
+      return_lse, kv_block):
     return q8.new_empty(q8.shape, dtype=out_dtype), _fake_lse(q8, return_lse)
 
 
@@ -222,7 +222,7 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
-                  out_dtype=torch.bfloat16, return_lse=False):
+                  out_dtype=torch.bfloat16, return_lse=False, kv_block=api.FP8_BLOCK):
     """`cuflash.attention_fp8` as a custom op (traces under torch.compile); forward only."""
     return_lse = api._check_flag("return_lse", return_lse)
     _check_tensor("q8", q8, "attention_fp8")
@@ -231,8 +231,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     # a torch.dtype by its name: no NumPy dtype lookup for torch.compile to trace
     name = str(out_dtype).removeprefix("torch.") if isinstance(out_dtype, torch.dtype) else out_dtype
     out_dtype = getattr(torch, api._dtype_arg("out_dtype", name, api.FP8_OUT_DTYPES))
+    kv_block = api.kv_block_rows(kv_block)  # (an int, for the op's schema)
     out, lse = _attention_fp8_fwd(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
-                                  window_right, out_dtype, return_lse)
+                                  window_right, out_dtype, return_lse, kv_block)
     return (out, lse) if return_lse else out
 
 

@@ -87,22 +87,27 @@ def test_torch_fp8_ops_trace_under_compile_and_match_the_plain_functions():
     rng = np.random.default_rng(4)
     q = torch.tensor(_rand(rng, 2, 130, 4, 64), dtype=torch.bfloat16)
     k, v = (torch.tensor(_rand(rng, 2, 150, 2, 64), dtype=torch.bfloat16) for _ in range(2))
+    wide = torch.tensor(_rand(rng, 1, 200, 2, 128), dtype=torch.bfloat16)  # k and v per 192 rows at head dim 128
 
     def run(quantize, attention_fp8, attention):
         (q8, qd), (k8, kd), (v8, vd) = (quantize(x, block=b, hadamard=h, seed=3) for x, b, h in
                                         ((q, 128, True), (k, 128, True), (v, None, False)))
         out, lse = attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, window=(40, -1), out_dtype=torch.float16,
                                  return_lse=True)
-        return q8, qd, vd, out, lse, attention(q, k, v, fp8=True, hadamard=True, window=(7, 3), return_lse=True)
+        (w8, wd), (w8k, wdk) = quantize(wide, block=128), quantize(wide, block=192)
+        out_wide = attention_fp8(w8, w8k, w8k, wd, wdk, wdk, kv_block=192)
+        return (q8, qd, vd, out, lse, wdk, out_wide), attention(q, k, v, fp8=True, hadamard=True, window=(7, 3),
+                                                                return_lse=True)
 
     want = run(cuflash.quantize_fp8, cuflash.attention_fp8, cuflash.attention)
     for dynamic in (False, True):  # dynamic: symbolic shapes (the head dim is read as a plain int)
         compiled = torch.compile(lambda: run(ct.quantize_fp8, ct.attention_fp8, ct.attention), backend="aot_eager",
                                  fullgraph=True, dynamic=dynamic)  # fullgraph: a break raises
         got = compiled()
-        assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (2, 4, 2) and got[2].shape == (2, 2)
-        assert got[3].dtype == torch.float16 and got[5][0].dtype == torch.bfloat16 and got[5][1].shape == (2, 4, 130)
-        for g, w in zip((*got[:5], *got[5]), (*want[:5], *want[5])):
+        assert got[0][0].dtype == torch.float8_e4m3fn and got[0][1].shape == (2, 4, 2) and got[0][2].shape == (2, 2)
+        assert got[0][3].dtype == torch.float16 and got[0][5].shape == (1, 2, 2) and got[0][6].shape == wide.shape
+        assert got[1][0].dtype == torch.bfloat16 and got[1][1].shape == (2, 4, 130)
+        for g, w in zip((*got[0], *got[1]), (*want[0], *want[1])):
             assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
                                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
 
@@ -119,11 +124,15 @@ def test_torch_fp8_ops_fake_implementations_agree_with_the_real_ones():
     ops = torch.ops.cuflash
     for block, hadamard in ((None, False), (128, True)):
         torch.library.opcheck(ops.quantize_fp8.default, (q, block, hadamard, 3))
+    wide = torch.tensor(_rand(rng, 1, 200, 2, 128), dtype=torch.bfloat16)
+    torch.library.opcheck(ops.quantize_fp8.default, (wide, 192, True, 3))  # (1, 2, 2) descales
     (q8, qd), (k8, kd) = ct.quantize_fp8(q, block=128), ct.quantize_fp8(k)
+    (w8, wd), (w8k, wdk) = ct.quantize_fp8(wide, block=128), ct.quantize_fp8(wide, block=192)
     for return_lse in (True, False):  # without it, an empty lse
-        torch.library.opcheck(ops.attention_fp8_fwd.default,
-                              (q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16, return_lse),
-                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+        for args in ((q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16, return_lse, 128),
+                     (w8, w8k, w8k, wd, wdk, wdk, False, 0.125, -1, -1, torch.bfloat16, return_lse, 192)):
+            torch.library.opcheck(ops.attention_fp8_fwd.default, args, test_utils=(
+                "test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
         torch.library.opcheck(ops.attention_quantized_fwd.default, (q, k, k, True, 0.125, 5, -1, 0.0, True, return_lse))
 
 
@@ -154,6 +163,10 @@ def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_nam
         q8, qd = ct.quantize_fp8(q)
         with pytest.raises(TypeError, match="^out_dtype must be one of"):
             ct.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=torch.float32)
+        with pytest.raises(ValueError, match="^kv_block must be 128 or 192"):
+            ct.attention_fp8(q8, q8, q8, qd, qd, qd, kv_block=64)
+        with pytest.raises(TypeError, match="^kv_block must be 128 or 192"):  # not cast to 1 by the op's schema
+            ct.attention_fp8(q8, q8, q8, qd, qd, qd, kv_block=True)
         with pytest.raises(TypeError, match="^q8 must be float8_e4m3fn"):
             ct.attention_fp8(q.detach(), q8, q8, qd, qd, qd)
         with pytest.raises(TypeError, match="^q8 must be a torch.Tensor"):

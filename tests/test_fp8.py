@@ -266,13 +266,24 @@ def test_fp8_arguments_are_checked_by_name():
     with pytest.raises(TypeError, match="out_dtype must be one of bfloat16, float16"):
         cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, out_dtype=np.float32)
     for block in (0, 64, 256, 1, -128, 2**40):
-        with pytest.raises(ValueError, match=r"block must be None \(one scale per head\) or 128 .*attention_fp8 takes "
-                                             r"scales per 128 rows.*got " + str(block)):
+        with pytest.raises(ValueError, match=r"block must be None \(one scale per head\), 128 or 192 .*attention_fp8 "
+                                             r"takes q's per 128, k's and v's per its kv_block\); got " + str(block)):
             cuflash.quantize_fp8(q, block=block)
     for block in (2.0, 128.0, True, "128"):
-        with pytest.raises(TypeError, match=r"block must be None \(one scale per head\) or 128"):
+        with pytest.raises(TypeError, match=r"block must be None \(one scale per head\), 128 or 192"):
             cuflash.quantize_fp8(q, block=block)
     assert cuflash.quantize_fp8(q, block=np.int64(128))[1].shape == (1, 2, 1)
+    with pytest.raises(ValueError, match=r"block=192 \(attention_fp8's key block at head dims 65-128\) needs a head "
+                                         r"dim there; got head dim 64: use 128"):
+        cuflash.quantize_fp8(q, block=192)
+    for kv_block in (64, 256, 0):
+        with pytest.raises(ValueError, match=r"kv_block must be 128 or 192 \(rows per k and v descale"):
+            cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, kv_block=kv_block)
+    for kv_block in (True, 192.0, "192", None):
+        with pytest.raises(TypeError, match=r"kv_block must be 128 or 192"):
+            cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, kv_block=kv_block)
+    with pytest.raises(ValueError, match=r"kv_block=192 .* needs a head dim there; got head dim 64"):
+        cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, kv_block=192)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         cuflash.quantize_fp8(q, hadamard=True, seed=-1)
     with pytest.raises(ValueError, match="power of two"):
@@ -285,6 +296,35 @@ def test_fp8_arguments_are_checked_by_name():
         cuflash.attention(q, q, q, fp8=True, softcap=5.0)
     with pytest.raises(TypeError, match="fp8=True quantizes float16 or bfloat16"):
         cuflash.attention(*(x.astype(np.float32) for x in (q, q, q)), fp8=True)
+
+
+def test_attention_fp8_takes_k_and_v_descales_per_192_rows_with_kv_block():
+    """kv_block=192 (head dims 65-128): k's and v's block descales are one per 192 rows
+    (quantize_fp8(..., block=192)), q's still per 128; per-head ones are as with kv_block=128, and a
+    descale of the other block count is refused naming kv_block. Where 128 and 192 give as many
+    blocks (200 rows: two either way) only kv_block says which rows a scale covers."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 300, 4, 96)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 200, 2, 96)).astype(np.float16) * s for s in (1.0, 3.0))
+    k[:, 150:] *= 8  # the last 50 keys: scaled by block 1 under both, with rows 128-191 too under 128's
+    (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(x, block=b) for x, b in ((q, 128), (k, 192), (v, 192)))
+    assert kd.shape == vd.shape == (1, 2, 2)
+    out, lse = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True, kv_block=192, return_lse=True)
+    dequantized = [reference.dequantize_fp8(x8, d, b) for x8, d, b in ((q8, qd, 128), (k8, kd, 192), (v8, vd, 192))]
+    want, want_lse = reference.forward(*dequantized, causal=True)
+    assert np.array_equal(out, want.astype(ml_dtypes.bfloat16)) and np.allclose(lse, want_lse, rtol=0, atol=1e-6)
+    misread = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=True)  # the same descales as per 128 rows
+    assert not np.array_equal(misread, out)
+    (k8h, kh), (v8h, vh) = cuflash.quantize_fp8(k), cuflash.quantize_fp8(v)  # per head
+    mixed = cuflash.attention_fp8(q8, k8h, v8, qd, kh, vd, kv_block=192)  # k per head, v per 192 rows
+    want_mixed, _ = reference.forward(dequantized[0], reference.dequantize_fp8(k8h, kh), dequantized[2])
+    assert np.array_equal(mixed, want_mixed.astype(ml_dtypes.bfloat16))
+    assert np.array_equal(cuflash.attention_fp8(q8, k8h, v8h, qd, kh, vh, kv_block=192),
+                          cuflash.attention_fp8(q8, k8h, v8h, qd, kh, vh))
+    _, kd128 = cuflash.quantize_fp8(k[:, :130], block=128)  # 2 blocks of 128 of 130 keys; 1 of 192
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(1, 2\) \(one scale per head\) or \(1, 2, 1\) "
+                                         r"\(one scale per 192 rows of 130 \(kv_block=192\)"):
+        cuflash.attention_fp8(q8, k8[:, :130], v8[:, :130], qd, kd128, kd128, kv_block=192)
 
 
 def test_attention_fp8_refuses_per_row_descales():
@@ -664,6 +704,51 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
         quantize.prepare(variant, function, dataclasses.replace(problem, batch=65536), arrays, arrays)
     with pytest.raises(ValueError, match=r"nheads x ceil\(seqlen / 128\) \(65536 x 32768\) at most 2147483647"):
         quantize.prepare(variant, function, dataclasses.replace(problem, nheads=2**16, seqlen_q=2**22), arrays, arrays)
+
+
+def test_fwd_fp8_sm90_takes_the_192_key_row_for_k_and_v_descales_per_192_rows(monkeypatch):
+    """attention_fp8(..., kv_block=192) (Problem.fp8_block FP8_WIDE_KEY_BLOCK): the 192-key row of
+    FP8_PER_HEAD_TILES, V^T beforehand, whatever the query rows (the in-kernel rows take 128-key
+    blocks), its variant among those compiled, its workspace declared from the problem; a decode
+    step with GQA keeps its query heads as heads and does not split (the split variants take
+    128-key blocks); a forced row of 128 keys refuses it by name."""
+    from cuflash import jit, kernels, reference as ref
+    from cuflash.arrays import Device, DeviceArray
+    from cuflash.kernels import fwd_sm90, query_heads_as_rows
+    from cuflash.problem import Problem
+
+    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
+    problem = Problem(op="attention_fp8_forward", framework="torch", device=Device("cuda", 0), dtype="float8_e4m3fn",
+                      batch=2, seqlen_q=300, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=128, softmax_scale=0.1,
+                      out_dtype="bfloat16", fp8_block=ref.FP8_WIDE_KEY_BLOCK)
+
+    def inputs(p, kv_blocks=6):
+        def rows(seqlen, heads):
+            return DeviceArray(ptr=1 << 20, shape=(p.batch, seqlen, heads, p.headdim),
+                               strides=(seqlen * heads * p.headdim, heads * p.headdim, p.headdim, 1))
+        q_descale = DeviceArray(ptr=1 << 20, shape=(p.batch, p.nheads), strides=(p.nheads, 1))
+        kv_descale = DeviceArray(ptr=1 << 20, shape=(p.batch, p.nheads_kv, kv_blocks), strides=(2 * kv_blocks,
+                                                                                                  kv_blocks, 1))
+        kv = rows(p.seqlen_k, p.nheads_kv)
+        return dict(q=rows(p.seqlen_q, p.nheads), k=kv, v=kv, q_descale=q_descale, k_descale=kv_descale,
+                    v_descale=kv_descale)
+
+    compiled = set(fwd_sm90.fp8_variants_for((9, 0)))
+    for with_lse in (True, False):
+        for causal in (False, True):
+            p = dataclasses.replace(problem, with_lse=with_lse, causal=causal, window_right=0 if causal else -1)
+            chosen = fwd_sm90.select_fp8(p, inputs(p))
+            assert (chosen.block_n, chosen.v_pretransposed, chosen.split_kv) == (192, True, False)
+            assert chosen in compiled and chosen.stale_max == 0  # (a stale maximum: per-head descales only)
+            assert kernels.workspace(p) == {"v_transposed": ((2, 2, 128, 1008), "float8_e4m3fn")}
+    decode = dataclasses.replace(problem, seqlen_q=1, seqlen_k=32768, batch=1)
+    assert query_heads_as_rows(decode) is None and fwd_sm90.split_parts(decode) is None
+    assert not fwd_sm90.select_fp8(decode, inputs(decode, 171)).split_kv
+    assert query_heads_as_rows(dataclasses.replace(decode, fp8_block=None)) is not None  # as it was
+    monkeypatch.setattr(fwd_sm90, "fp8_tiles_override", {128: (2, 128, 2, "free", "overlap", True)})
+    with pytest.raises(ValueError, match=r"blocks of 128 keys need k_descale and v_descale per head .* or per 128 "
+                                         r"rows; got descales per 192 rows"):
+        fwd_sm90.select_fp8(problem, inputs(problem))
 
 
 def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():

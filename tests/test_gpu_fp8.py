@@ -47,18 +47,9 @@ def _dequantize(x8, descale, block: int = reference.FP8_BLOCK):
 
 
 def _quantize(x, block: int, hadamard: bool):
-    """quantize_fp8's GPU kernel with one scale per `block` rows, seed 0: the public function's for
-    128, the quantize_fp8 op itself for reference.FP8_WIDE_KEY_BLOCK (attention(fp8=True)'s k and v
-    at head dim 128, a block the public function does not take)."""
-    if block == reference.FP8_BLOCK:
-        return cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=0)
-    batch, seqlen, nheads, headdim = x.shape
-    problem = Problem(op="quantize_fp8", framework="torch", device=arrays.Device("cuda", x.device.index or 0),
-                      dtype=str(x.dtype).removeprefix("torch."), batch=batch, seqlen_q=seqlen, seqlen_k=seqlen,
-                      nheads=nheads, nheads_kv=nheads, headdim=headdim, fp8_block=block,
-                      hadamard_seed=0 if hadamard else None)
-    descale_shape = (batch, nheads, reference.fp8_blocks(seqlen, block))
-    return dispatch.run(problem, dict(x=x), dict(x8=(x.shape, "float8_e4m3fn"), descale=(descale_shape, "float32")))
+    """quantize_fp8's GPU kernel with one scale per `block` rows (128, or 192 at head dims 65-128),
+    seed 0."""
+    return cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=0)
 
 
 def _plain_fp8(q, k, v, kw, out_dtype):
@@ -313,6 +304,54 @@ def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (2, 4, 333) if with_lse else None,
                                               torch.bfloat16)
     _check(out, lse, quantized, kw)
+
+
+@hopper_only
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads_kv, group, kw, with_lse, headdim, k_per_head", [
+    (1, 300, 4300, 2, 2, dict(causal=False, window=(-1, -1)), False, 128, False),
+    (2, 700, 2100, 1, 4, dict(causal=True, window=(-1, -1)), True, 128, False),
+    (1, 1, 5000, 2, 4, dict(causal=True, window=(-1, -1)), False, 128, False),  # a decode step: not split
+    (1, 130, 200, 2, 1, dict(causal=False, window=(100, 20)), False, 96, False),
+    (1, 2048, 2048, 2, 1, dict(causal=False, window=(-1, -1)), True, 112, True)])
+def test_fp8_k_and_v_descales_per_192_rows_match_reference(batch, seqlen_q, seqlen_k, nheads_kv, group, kw,
+                                                           with_lse, headdim, k_per_head):
+    """attention_fp8(..., kv_block=192): k's and v's descales per 192 rows run the 192-key row
+    (FP8_PER_HEAD_TILES', V^T beforehand; a decode step neither split nor with its query heads as
+    rows), poisoned outputs against the reference (_check with 192-row blocks); k per head and v
+    per block too. The public call gives the same bits, as do torch.compile and jax.jit."""
+    g = torch.Generator(device="cuda").manual_seed(seqlen_k + headdim)
+    q = torch.randn(batch, seqlen_q, nheads_kv * group, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    k[:, ::7] *= 4
+    hadamard = headdim in (64, 128, 256)
+    quantized = (_quantize(q, 128, hadamard), cuflash.quantize_fp8(k, hadamard=hadamard) if k_per_head else
+                 _quantize(k, 192, hadamard), _quantize(v, 192, False))
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    inputs = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    kw = dict(kw, softmax_scale=None)
+    problem = _problem(q8, k8, kw, torch.bfloat16, with_lse, fp8_block=reference.FP8_WIDE_KEY_BLOCK)
+    dispatch.clear_plans()
+    lse_shape = (batch, q.shape[2], seqlen_q) if with_lse else None
+    out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, torch.bfloat16)
+    ((_, variant),) = dispatch._plans.values()
+    assert variant.block_n == 192 and variant.v_pretransposed and not variant.split_kv
+    _check(out, lse, quantized, kw, reference.FP8_WIDE_KEY_BLOCK)
+    _assert_same_again(problem, inputs, out, lse)
+    args = (q8, k8, v8, qd, kd, vd)
+    public = cuflash.attention_fp8(*args, **kw, kv_block=192, return_lse=with_lse)
+    assert torch.equal(public[0], out) and torch.equal(public[1], lse) if with_lse else torch.equal(public, out)
+    if headdim != 128 or with_lse:
+        return
+    import cuflash.torch as ct
+
+    compiled = torch.compile(lambda: ct.attention_fp8(*args, **kw, kv_block=192), fullgraph=True)()
+    assert torch.equal(compiled, out)
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() == "gpu":
+        got = jax.jit(lambda *a: cuflash.attention_fp8(*a, **kw, kv_block=192))(
+            *(jax.dlpack.from_dlpack(x.contiguous()) for x in args))
+        assert torch.equal(torch.from_dlpack(got), out)
 
 
 @hopper_only

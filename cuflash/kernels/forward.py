@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .. import reference
+
 HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
 ELEMENT_BYTES = 2  # fp16 / bf16
 LOG2E = 1.0 / math.log(2.0)
@@ -90,10 +92,11 @@ def query_heads_as_rows(problem):
     causal mask hides no key from the last query row). q and out (batch, 1, nheads, headdim) are
     read as (batch, group, nheads_kv, headdim), lse (batch, nheads, 1) as (batch, nheads_kv, group):
     the same memory (heads_as_rows). FP8 attention too, its q descales then one a row (not
-    attention(fp8=True), which quantizes q per head)."""
+    attention(fp8=True), which quantizes q per head), and only where k's and v's descales are not
+    per 192 rows: its split variants, which such problems run, take blocks of 128 keys."""
     group = problem.nheads // max(problem.nheads_kv, 1)
     if (problem.op not in ("attention_forward", "attention_fp8_forward") or problem.seqlen_q != 1 or group == 1
-            or not sees_every_key(problem)):
+            or not sees_every_key(problem) or problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK):
         return None
     return dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_kv, causal=False, window_left=-1,
                                window_right=-1, q_descale_per_row=problem.op == "attention_fp8_forward")

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .. import driver, jit, tma
+from .. import driver, jit, reference, tma
 from . import (CXX_TYPES, MAX_GRID_YZ, ROW_ALIGN_BYTES, Family, ParamStruct, Variant, check_grid_yz,
                compiled_headdim, cxx_bool, fast_divisor, launch_nothing, require_rows_aligned)
 from .forward import (CU_SEQLENS, ELEMENT_BYTES, check_headdim, mask_and_softmax_fields, row_stride_fields,
@@ -545,7 +545,10 @@ def split_masked(problem) -> bool:
 def split_parts(problem) -> int | None:
     """The parts the problem's split variant runs (kv_splits), or None where a whole variant runs
     it. FP8 decode steps with query heads as rows (q's descales one a row, which only the split
-    variants read) run split, in one part if need be."""
+    variants read) run split, in one part if need be; FP8 with k and v descales per 192 rows never
+    (the split variants take blocks of 128 keys)."""
+    if problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK:
+        return None
     parts = kv_splits(problem)
     return parts if parts > 1 or problem.q_descale_per_row else None
 
@@ -755,6 +758,8 @@ def fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     forced = fp8_forced_row(headdim)
     if forced is not None:
         return forced
+    if problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK:  # k's and v's descales per block of its keys
+        return FP8_PER_HEAD_TILES[headdim]
     rows = FP8_TILES[headdim]
     short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
     in_kernel = next(tiles for _, tiles in rows if not tiles[5])
@@ -855,9 +860,10 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     kv_per_head = all(len(inputs[name].shape) == 2 for name in ("k_descale", "v_descale"))
     if kv_per_head and _wider_row_pays(problem, headdim, tiles):
         tiles = FP8_PER_HEAD_TILES[headdim]
-    if tiles[1] != 128 and not kv_per_head:
+    kv_rows = problem.fp8_block or reference.FP8_BLOCK
+    if not kv_per_head and tiles[1] != kv_rows:  # (a forced row)
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
-                         "(batch, nheads_kv); per-128-row descales take blocks of 128")
+                         f"(batch, nheads_kv) or per {tiles[1]} rows; got descales per {kv_rows} rows")
     variant = fp8_variant(problem.out_dtype, headdim, tiles, mask_fields(FP8_PASS_BY, headdim, problem),
                           problem.with_lse, kv_per_head)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
