@@ -663,7 +663,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
             // V^T is the output of the pass launched just before, which this kernel may overlap as
             // its programmatic dependent (fwd_sm90.py): Q, K and the first S need only wait for
             // the kernels before the pass, which have completed. Once a tile (a no-op after the
-            // first): a flag kept across tiles would not fit the producer's registers.
+            // first): a flag kept across tiles would not fit the producer's registers. (After
+            // attention(fp8=True)'s quantizers every thread has waited at the start.)
             if (n == t.kb.n_max - 1) griddepcontrol_wait();
             mbarrier_wait(v_empty(slot), parity ^ 1);
             mbarrier_arrive_expect_tx(v_full(slot), kVKeyAtoms * kHeadDim * 128);  // (not the ones)

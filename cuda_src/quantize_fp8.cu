@@ -2,8 +2,8 @@
 // fp16/bf16 -> x8 e4m3 and descale float32 with x ~ x8 * descale, descale = amax / 448 (at least
 // the smallest normal float) over each group of rows of a head: blocks of kBlockRows rows (descale
 // (batch, nheads, nblocks), nblocks = ceil(seqlen / kBlockRows), the last block possibly short) or
-// the whole head (descale (batch, nheads)). kBlockRows is reference.FP8_BLOCK (128: quantize_fp8's
-// and attention_fp8's block) or, for attention(..., fp8=True)'s k and v at head dim 128,
+// the whole head (descale (batch, nheads)). kBlockRows is reference.FP8_BLOCK (128) or, at head dim
+// 128 (k and v of attention_fp8 with kv_block=192, and of attention(..., fp8=True) from 2k keys),
 // reference.FP8_WIDE_KEY_BLOCK (192: the FP8 forward's key block there, which 128-row blocks would
 // straddle). kHadamard first multiplies every row by
 // diag(signs) H / sqrt(headdim) (H the Sylvester Hadamard matrix, headdim == kHeadDim a power of

@@ -534,8 +534,12 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     be short), k's and v's (batch, nheads_kv, ceil(seqlen_k / kv_block)), kv_block 128 or, at head
     dims 65-128, 192 (quantize_fp8(..., block=192)): the Hopper kernel's key block there, which
     from 2k keys runs 7-17% faster than 128-row k and v scales (quantize_fp8's block; with
-    per-head ones it takes that block too). Decode steps (one query row) do not split their keys
-    over CTAs with 192-row k and v scales: keep 128 there.
+    per-head ones it takes that block too), V always transposed beforehand into a scratch buffer
+    (below). Decode steps (one query row) do not split their keys over CTAs with 192-row k and v
+    scales: keep 128 there. A descale does not say its block size: from 193 to 256 rows (and
+    wherever ceil(rows / 128) == ceil(rows / 192)) one quantized per 192 rows passed as per 128
+    (q's always; k's and v's with kv_block=128), or the other way round, is read with the wrong
+    rows per scale, silently.
     Computes attention of q8 * q_descale, k8 * k_descale and v8 * v_descale, each descale expanded
     to its rows (masks, GQA and the scale as in `attention`); out in out_dtype
     (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True. Descales
@@ -553,8 +557,8 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     narrower: 4-6% faster). At 64 and 128 it takes some of P's exponentials from a quadratic on the
     FMA pipe (relative error up to 2.1e-3, below P's rounding to e4m3) instead of the
     special-function unit (at 64 up to 4096 query rows, unmasked only): such calls run 2-12%
-    faster. With return_lse, where V is transposed beforehand at 128 (with per-head descales
-    unmasked only) and at 64 (per-128-row descales, unmasked only), some pairs of P's exponentials
+    faster. With return_lse, where V is transposed beforehand at 128 (with per-head descales or
+    kv_block=192, unmasked only) and at 64 (per-128-row descales, unmasked only), some pairs of P's exponentials
     come from a cubic in f16x2 arithmetic on the FMA pipe (relative error up to 5.5e-4 near each row's
     maximum, within the LSE's bound): 1.5-4.5% faster.
     """

@@ -592,8 +592,8 @@ def _row_descale(descale, seqlen: int, block: int) -> np.ndarray:
 def quantize_fp8(x, block: int | None = None, hadamard_seed: int | None = None):
     """x (B, S, H, D) -> (x8 float8_e4m3fn (B, S, H, D), descale float32): descale (B, H) with one
     scale per head (block None), or (B, H, ceil(S / block)) with one scale per block of `block`
-    rows (FP8_BLOCK, the public quantize_fp8's one block size, or FP8_WIDE_KEY_BLOCK,
-    attention_quantized's k and v at some head dims; the last block may be short). An all-zero head
+    rows (FP8_BLOCK, or FP8_WIDE_KEY_BLOCK: attention_fp8's k and v with kv_block=192,
+    attention_quantized's at some head dims; the last block may be short). An all-zero head
     or block gets descale 1; the others amax / 448, but at least the smallest normal float32
     (2^-126: a GPU flushes smaller ones to zero)."""
     if block not in (None, FP8_BLOCK, FP8_WIDE_KEY_BLOCK):

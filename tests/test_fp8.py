@@ -627,9 +627,9 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
     reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
     grid x (ITEMS_PER_CTA, or the items spread over one wave where that leaves fewer on the busiest
-    SM), batch on grid y; the second and third launches per head as programmatic dependents of the
-    one before (as the first too with dependent=True, a link of attention(fp8=True)'s chain); grids
-    that do not fit are refused by name."""
+    SM), batch on grid y; on sm_90 the second and third launches per head as programmatic
+    dependents of the one before (as the first too with dependent=True, a link of
+    attention(fp8=True)'s chain), on sm_89 ordinary ones; grids that do not fit are refused by name."""
     from cuflash import driver, jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
@@ -637,7 +637,8 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
 
     problem = Problem(op="quantize_fp8", framework="torch", device=Device("cuda", 0), dtype="bfloat16", batch=2,
                       seqlen_q=300, seqlen_k=300, nheads=3, nheads_kv=3, headdim=128, hadamard_seed=5)
-    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132})
+    properties = {"multiProcessorCount": 132, "major": 9, "minor": 0}
+    monkeypatch.setattr(jit, "device_properties", lambda index: properties)
 
     def rows(p, ptr=1 << 20, pad=0):
         width = p.headdim + pad
@@ -683,6 +684,12 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
                    and params["x"] == 1 << 20 and params["x8"] == 2 << 20 and params["items_per_cta"] == 1
                    for _, _, params in launches)
+    properties.update(major=8, minor=9)  # Ada: no griddepcontrol in the kernels, no dependent launch
+    launches.clear()
+    dependent.clear()
+    quantize.prepare(variant, function, problem, arrays, arrays)(arrays, arrays, None)
+    assert dependent == [False] * 3
+    properties.update(major=9, minor=0)
     # attention(fp8=True)'s k and v at head dim 128: blocks of 192 rows (2 of 300), 768 threads a CTA
     wide = dataclasses.replace(problem, fp8_block=192)
     wide_variant = quantize.select(wide, {"x": rows(wide)})
@@ -691,7 +698,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     dependent.clear()
     quantize.prepare(wide_variant, function, wide, arrays, arrays)(arrays, arrays, None)
     assert [(int(params["pass"]), grid, block) for grid, block, params in launches] == [
-        (quantize.BLOCK_SCALES, (6, 2), (768,))]
+        (quantize.BLOCK_SCALES, (6, 2), (768,))] and dependent == [False]
     # A 16k x 2048 tensor: 128 blocks of 16 heads, 4 a CTA in two whole waves of 264 CTAs (two an SM);
     # 86 blocks of 192 rows would take 2.6 waves of 132 (one an SM): 11 a CTA, one wave of 126.
     assert quantize._items_split(0, 1, 16, 16384, 128, 128) == (4, (512, 1))
@@ -749,6 +756,71 @@ def test_fwd_fp8_sm90_takes_the_192_key_row_for_k_and_v_descales_per_192_rows(mo
     with pytest.raises(ValueError, match=r"blocks of 128 keys need k_descale and v_descale per head .* or per 128 "
                                          r"rows; got descales per 192 rows"):
         fwd_sm90.select_fp8(problem, inputs(problem))
+
+
+def test_fp8_launches_after_other_kernels_as_their_programmatic_dependents(monkeypatch):
+    """attention(fp8=True) on Hopper (fwd_quantized_sm90): q's quantizer an ordinary launch (all
+    before it in the stream complete when it starts), then k's, v's (into V^T) and the attention
+    kernel each the programmatic dependent of the launch before, the attention kernel told to wait
+    for its inputs at its start (wait_for_inputs). attention_fp8 after its V^T pass: the pass an
+    ordinary launch, the kernel its dependent, waiting only before V^T (wait_for_inputs 0)."""
+    from cuflash import driver, jit, kernels, tma
+    from cuflash.arrays import Device, DeviceArray, contiguous_strides
+    from cuflash.kernels import fwd_sm90, quantized_sm90
+    from cuflash.problem import Problem
+
+    monkeypatch.setattr(tma, "encode_tiled", lambda *args: bytes(tma.MAP_BYTES))
+    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132, "major": 9, "minor": 0})
+    launched = []
+
+    class Function:  # a loaded kernel: records its ordinary launches
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, **kwargs):
+            launched.append((self.name, False, args[0].tobytes()))
+
+    class DependentLaunch:
+        def __init__(self, function, grid, block, shared_mem):
+            self.name = function.name
+
+        def __call__(self, params, stream):
+            launched.append((self.name, True, bytes(params)))
+
+    monkeypatch.setattr(jit, "get_function", lambda variant, index: Function(type(variant).__name__))
+    monkeypatch.setattr(driver, "DependentLaunch", DependentLaunch)
+
+    def arrays(shapes):
+        return {name: DeviceArray((i + 1) << 28, shape, contiguous_strides(shape)) for i, (name, shape) in
+                enumerate(shapes.items())}
+
+    def wait_for_inputs(params):
+        return int(np.frombuffer(params, fwd_sm90.FWD_SM90_PARAMS)[0]["wait_for_inputs"])
+
+    problem = Problem(op="attention_quantized_forward", framework="torch", device=Device("cuda", 0),
+                      dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=4100, nheads=4, nheads_kv=2, headdim=128,
+                      softmax_scale=0.1, out_dtype="bfloat16", with_lse=False, fp8_block=128, hadamard_seed=0)
+    inputs = arrays(dict(q=(2, 300, 4, 128), k=(2, 4100, 2, 128), v=(2, 4100, 2, 128)))
+    outputs = arrays({"out": (2, 300, 4, 128), **{n: shape for n, (shape, _) in kernels.workspace(problem).items()}})
+    variant = quantized_sm90.select(problem, inputs)
+    quantized_sm90.prepare(variant, Function("attention"), problem, inputs, outputs)(inputs, outputs, "stream")
+    assert [(name, dependent) for name, dependent, _ in launched] == [
+        ("QuantizeFp8Variant", False), ("QuantizeFp8Variant", True), ("QuantizeFp8TransposedVariant", True),
+        ("attention", True)]
+    assert wait_for_inputs(launched[-1][2]) == 1
+    launched.clear()
+    fp8 = Problem(op="attention_fp8_forward", framework="torch", device=Device("cuda", 0), dtype="float8_e4m3fn",
+                  batch=2, seqlen_q=600, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=256, softmax_scale=0.1,
+                  out_dtype="bfloat16", with_lse=False)
+    descales = dict(q_descale=(2, 4), k_descale=(2, 2), v_descale=(2, 2))
+    inputs = arrays(dict(q=(2, 600, 4, 256), k=(2, 1000, 2, 256), v=(2, 1000, 2, 256), **descales))
+    outputs = arrays({"out": (2, 600, 4, 256), **{n: shape for n, (shape, _) in kernels.workspace(fp8).items()}})
+    variant = fwd_sm90.select_fp8(fp8, inputs)
+    assert variant.v_pretransposed
+    fwd_sm90.prepare(variant, Function("attention"), fp8, inputs, outputs)(inputs, outputs, "stream")
+    assert [(name, dependent) for name, dependent, _ in launched] == [("TransposeVFp8Variant", False),
+                                                                       ("attention", True)]
+    assert wait_for_inputs(launched[-1][2]) == 0
 
 
 def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():

@@ -639,8 +639,7 @@ def test_fp8_repeated_calls_read_each_calls_arrays(headdim, seqlen_q):
         out, lse = cuflash.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), causal=True,
                                          return_lse=True)
         _check(out, lse, quantized, kw)
-        # (k and v per 192 rows at head dim 128, which attention_fp8 does not take: checked as
-        # test_fp8_true_quantizes_as_quantize_fp8_and_matches_reference checks them)
+        # attention(fp8=True), whose k and v take 192-row scales from 2k keys at head dim 128
         key_block = reference.fp8_key_block(headdim, k.shape[1])
         quantized = (_quantize(q, reference.FP8_BLOCK, True), _quantize(k, key_block, True),
                      _quantize(v, key_block, False))

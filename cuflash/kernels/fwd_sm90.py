@@ -289,6 +289,7 @@ _FIELDS = ([(f"{t}_map", (np.void, tma.MAP_BYTES)) for t in ("q", "k", "v")]
 FWD_SM90_PARAMS = np.dtype({"names": [n for n, _ in _FIELDS], "formats": [f for _, f in _FIELDS], "itemsize": 832})
 assert FWD_SM90_PARAMS.fields["window_tiles_shift"][1] == 612, "keep in step with FwdSm90Params"
 assert FWD_SM90_PARAMS.fields["o_map"][1] == 640, "keep in step with FwdSm90Params"
+assert FWD_SM90_PARAMS.fields["wait_for_inputs"][1] == 768, "keep in step with FwdSm90Params"
 PARAMS = ParamStruct(FWD_SM90_PARAMS)
 
 
@@ -867,6 +868,11 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
     variant = fp8_variant(problem.out_dtype, headdim, tiles, mask_fields(FP8_PASS_BY, headdim, problem),
                           problem.with_lse, kv_per_head)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
+        if problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK and max(problem.batch, problem.nheads_kv) > MAX_GRID_YZ:
+            raise ValueError(f"fwd_fp8_sm90 with k and v descales per {reference.FP8_WIDE_KEY_BLOCK} rows (kv_block) "
+                             f"transposes V beforehand, one block row per (kv head, batch): nheads_kv "
+                             f"{problem.nheads_kv} and batch {problem.batch} must each be at most {MAX_GRID_YZ}; "
+                             f"quantize k and v per {reference.FP8_BLOCK} rows (kv_block={reference.FP8_BLOCK})")
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch)
     if not variant.v_pretransposed:
         _check_transposed_blocks(variant, problem.seqlen_k)

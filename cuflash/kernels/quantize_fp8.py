@@ -166,10 +166,12 @@ def _items_split(device_index: int, batch: int, nheads: int, seqlen: int, block_
 
 def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dependent: bool = False):
     """Family.prepare: the grid and the parameter structs without addresses, made once; each launch
-    writes the arrays' addresses in. Scales per head take three launches, the second and third each
-    the programmatic dependent of the one before (driver.DependentLaunch; the kernel waits for it
-    before reading what it wrote). dependent: the first too, as a link of fwd_quantized_sm90's
-    chain (the kernel's ChainLink)."""
+    writes the arrays' addresses in. Scales per head take three launches, on sm_90 and newer the
+    second and third each the programmatic dependent of the one before (driver.DependentLaunch; the
+    kernel waits for it before reading what it wrote; below sm_90 the kernels cannot wait, so every
+    launch is an ordinary one). dependent: the first too, as a link of fwd_quantized_sm90's chain
+    (the kernel's ChainLink), which its caller may ask only where the launch before writes nothing
+    this one reads or writes."""
     # A CTA per `per_cta` (block of variant.block_rows rows, head) items (a sequence shorter than a
     # block is one short block), the heads of a block next to each other; batch on grid y.
     # descale (batch, nheads, blocks) or (batch, nheads), contiguous, as api.quantize_fp8 allocates
@@ -191,8 +193,9 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dep
     passes = ([(BLOCK_SCALES, items)] if problem.fp8_block else
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     block_dim = (threads(rows, variant.headdim),)
-    launches = [(PARAMS.template(**fields, **{"pass": p}), _launcher(function, grid, block_dim, dependent or i > 0))
-                for i, (p, grid) in enumerate(passes)]
+    waits = jit.device_compute_capability(problem.device.index) >= (9, 0)  # griddepcontrol is sm_90's
+    launches = [(PARAMS.template(**fields, **{"pass": p}),
+                 _launcher(function, grid, block_dim, dependent or (waits and i > 0))) for i, (p, grid) in enumerate(passes)]
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:

@@ -21,8 +21,11 @@ FP8 = fwd_sm90.FP8
 
 
 def _fp8_problem(problem):
-    """The attention_fp8_forward problem the attention kernel runs: e4m3 inputs, out in the inputs' dtype."""
-    return dataclasses.replace(problem, op="attention_fp8_forward", dtype=FP8, fp8_block=None, hadamard_seed=None)
+    """The attention_fp8_forward problem the attention kernel runs: e4m3 inputs, out in the inputs' dtype
+    (fp8_block as attention_fp8's: FP8_WIDE_KEY_BLOCK where k and v take 192-row scales)."""
+    wide = _key_block(problem) == reference.FP8_WIDE_KEY_BLOCK
+    return dataclasses.replace(problem, op="attention_fp8_forward", dtype=FP8,
+                               fp8_block=reference.FP8_WIDE_KEY_BLOCK if wide else None, hadamard_seed=None)
 
 
 def _key_block(problem) -> int:
