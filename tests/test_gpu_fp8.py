@@ -102,6 +102,19 @@ def _assert_same_again(problem, inputs, out, lse):
         "results moved between identical runs: a race"
 
 
+def _assert_graph_replays_give(call, want):
+    """call() captured in a CUDA graph (programmatic dependent launches become programmatic edges),
+    replayed three times with its output filled with NaN first, gives want's bits each time."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+
+
 def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK):
     """out (and lse, unless None: a call without it) against float64 attention of the dequantized
     inputs (k's and v's block scales per `key_block` rows): out within twice the error of the plain
@@ -676,14 +689,7 @@ def test_fp8_kernel_launched_during_the_v_transpose_pass_reads_what_the_pass_wro
     for _ in range(8):
         _assert_same_again(problem, inputs, out, None)
     names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = cuflash.attention_fp8(*(inputs[n] for n in names))
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, out)
+    _assert_graph_replays_give(lambda: cuflash.attention_fp8(*(inputs[n] for n in names)), out)
     jax = pytest.importorskip("jax")
     if jax.default_backend() == "gpu":  # XLA's stream, workspace and outputs (XLA's arrays are dense)
         args = [jax.dlpack.from_dlpack(inputs[n].contiguous()) for n in names]
@@ -706,14 +712,7 @@ def test_fp8_true_chain_of_launches_waits_for_every_quantizer():
     q = torch.randn(1, 32768, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 256, 2, 128, device="cuda", generator=g, dtype=q.dtype) for _ in range(2))
     want = cuflash.attention(q, k, v, fp8=True, hadamard=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = cuflash.attention(q, k, v, fp8=True, hadamard=True)
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, want)
+    _assert_graph_replays_give(lambda: cuflash.attention(q, k, v, fp8=True, hadamard=True), want)
     jax = pytest.importorskip("jax")
     if jax.default_backend() == "gpu":  # XLA's stream and workspace
         got = jax.jit(lambda a, b, c: cuflash.attention(a, b, c, fp8=True, hadamard=True))(
