@@ -441,9 +441,9 @@ def _check_descale(info: ArrayInfo, batch: int, nheads: int, seqlen: int, block:
 def _check_wide_block(name: str, block: int, headdim: int) -> None:
     """Blocks of FP8_WIDE_KEY_BLOCK rows only at the head dims where the FP8 kernel's key block is that."""
     if block == FP8_WIDE_KEY_BLOCK and headdim not in reference.FP8_WIDE_HEADDIMS:
-        raise ValueError(f"{name}={FP8_WIDE_KEY_BLOCK} (attention_fp8's key block at head dims "
-                         f"{reference.FP8_WIDE_HEADDIMS.start}-{reference.FP8_WIDE_HEADDIMS.stop - 1}) needs a head dim "
-                         f"there; got head dim {headdim}: use {FP8_BLOCK}")
+        wide = reference.FP8_WIDE_HEADDIMS
+        raise ValueError(f"{name}={FP8_WIDE_KEY_BLOCK} (attention_fp8's key block at head dims {wide.start}-"
+                         f"{wide.stop - 1}) needs a head dim there; got head dim {headdim}: use {FP8_BLOCK}")
 
 
 def _check_hadamard_headdim(name: str, headdim: int) -> None:
@@ -536,10 +536,9 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     from 2k keys runs 7-17% faster than 128-row k and v scales (quantize_fp8's block; with
     per-head ones it takes that block too), V always transposed beforehand into a scratch buffer
     (below). Decode steps (one query row) do not split their keys over CTAs with 192-row k and v
-    scales: keep 128 there. A descale does not say its block size: from 193 to 256 rows (and
-    wherever ceil(rows / 128) == ceil(rows / 192)) one quantized per 192 rows passed as per 128
-    (q's always; k's and v's with kv_block=128), or the other way round, is read with the wrong
-    rows per scale, silently.
+    scales: keep 128 there. A descale does not say its block size: at 193 to 256 rows (two blocks
+    either way) one quantized per 192 rows passed as per 128 (q's always; k's and v's with
+    kv_block=128), or the other way round, is read with the wrong rows per scale, silently.
     Computes attention of q8 * q_descale, k8 * k_descale and v8 * v_descale, each descale expanded
     to its rows (masks, GQA and the scale as in `attention`); out in out_dtype
     (bfloat16 or float16), lse float32 (batch, nheads, seqlen_q) with return_lse=True. Descales

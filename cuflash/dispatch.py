@@ -247,7 +247,8 @@ def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
         kw = dict(causal=f["causal"], window=f["window"], softmax_scale=f["softmax_scale"])
         if op == "attention_fp8_forward":
             out, lse = reference.attention_fp8(ins["q"], ins["k"], ins["v"], ins["q_descale"], ins["k_descale"],
-                                               ins["v_descale"], **kw, kv_block=problem.fp8_block or reference.FP8_BLOCK)
+                                               ins["v_descale"], **kw,
+                                               kv_block=problem.fp8_block or reference.FP8_BLOCK)
         else:
             out, lse = reference.attention_quantized(ins["q"], ins["k"], ins["v"], problem.hadamard_seed, **kw)
         outs["out"][...] = out

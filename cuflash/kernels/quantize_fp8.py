@@ -194,8 +194,9 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dep
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     block_dim = (threads(rows, variant.headdim),)
     waits = jit.device_compute_capability(problem.device.index) >= (9, 0)  # griddepcontrol is sm_90's
-    launches = [(PARAMS.template(**fields, **{"pass": p}),
-                 _launcher(function, grid, block_dim, dependent or (waits and i > 0))) for i, (p, grid) in enumerate(passes)]
+    launches = [(PARAMS.template(**fields, **{"pass": p}), _launcher(function, grid, block_dim,
+                                                                     dependent or (waits and i > 0)))
+                for i, (p, grid) in enumerate(passes)]
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
     def launch_prepared(inputs, outputs, stream) -> None:
