@@ -7,7 +7,7 @@
 // which the S accumulators pack into P's e4m3 A operand (fwd_sm90.cu, pack_p), so P needs no
 // shuffles; the in-kernel transpose writes the same order.
 // Memory-bound: one read and one write of V.
-#include "common/sm90.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {

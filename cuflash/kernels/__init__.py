@@ -156,11 +156,11 @@ def fast_divisor(d: int) -> tuple[int, int]:
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 
-def check_grid_yz(family: str, nheads: int, batch: int) -> None:
-    """Families that launch one block row per (head, batch) on grid y and z."""
+def check_grid_yz(family: str, nheads: int, batch: int, hint: str = "") -> None:
+    """Families that launch one block row per (head, batch) on grid y and z (hint: the way out, if any)."""
     if nheads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
         raise ValueError(f"{family} launches one block row per (head, batch): nheads {nheads} and batch {batch} "
-                         f"must each be at most {MAX_GRID_YZ}")
+                         f"must each be at most {MAX_GRID_YZ}{hint}")
 
 
 @dataclass(frozen=True)
