@@ -13,12 +13,15 @@
 // item i being block i / nheads of head i % nheads: the heads of a block next to each other, so
 // CTAs running together read whole token rows of x, not one head's slice of rows far apart. A
 // thread holds chunks of kChunk consecutive elements (16 bytes of x) of one or two rows of an item
-// (Layout), all loaded before any is used, and each row's first lane prefetches the thread's rows
-// of the next item into L2 while the CTA works on these: x is read from memory once a launch. The
-// amax is a CTA reduction over the held values, which are then converted from registers. The
-// transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks, the others
-// across a row's Layout::kLanes lanes with shuffles. Its factor 1 / sqrt(headdim) joins the amax and
-// the quotient instead of multiplying every value: that pass is bound by instruction issue.
+// (Layout), all loaded before any is used. Where shared memory allows (kLoadStaged), a thread's
+// chunks of the next item are on their way (cp.async into slots of its own) while it converts these:
+// against 16-byte loads straight into registers with the next item prefetched into L2, 0.95-0.96x
+// the time (0.94x per head, 0.89x on 192-row blocks; H200, session 52). x is read from memory once
+// a launch. The amax is a CTA reduction over the held values, which are then converted from
+// registers. The transform is the fast Walsh-Hadamard butterfly: strides within a thread's chunks,
+// the others across a row's Layout::kLanes lanes with shuffles. Its factor 1 / sqrt(headdim) joins
+// the amax and the quotient instead of multiplying every value: that pass is bound by instruction
+// issue.
 //
 // Scales per head take three launches of the same kernel (QuantizeFp8Params::pass): kHeadAmax
 // writes each block's amax to a workspace, kHeadScale (a CTA per head) reduces a head's block
@@ -26,6 +29,7 @@
 // launched as programmatic dependents of the one before (quantize_fp8.py), each waiting for it
 // just before it reads what that one wrote: the third loads its first item of x meanwhile.
 #include "common/grid_dependency.cuh"
+#include "common/sm80.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -54,6 +58,12 @@ static_assert(sizeof(QuantizeFp8Params) == 136, "keep in step with cuflash/kerne
 
 constexpr int kChunk = 8;  // elements of one 16-byte load
 
+// How a thread's chunks of x reach its registers (the template's kLoads; quantize_fp8.py's LOAD_*):
+constexpr int kLoadElements = 0;  // element by element (rows not 16-byte aligned)
+constexpr int kLoadVectors = 1;   // one 16-byte load a chunk, when the item is taken
+constexpr int kLoadStaged = 2;    // through shared memory, copied (cp.async) kStages - 1 items ahead
+constexpr int kStages = 2;        // STAGES: items in a CTA's shared memory
+
 // A thread holds kElements elements: kRows rows (kRowStep apart) by kPieces chunks. Chunk c of a
 // row's lane l lies at column kChunk (c kLanes + l), so that each load reads kChunk kLanes
 // contiguous elements of a row and each store writes whole 32-byte sectors. Without the transform
@@ -76,25 +86,24 @@ __host__ __device__ constexpr int quantize_threads(int block_rows, int head_dim)
   return block_rows * head_dim / kElements;
 }
 
-// The kChunk elements of x at `at` as floats, each pair of 16-bit elements XORed first with its
-// word of `negate` (bit 15 flips the lower element's sign, bit 31 the upper's: the transform's
-// signs); kVectorLoads: one 16-byte load (the row is 16-byte aligned), else element by element.
-template <typename T, bool kVectorLoads>
-__device__ __forceinline__ void load_chunk(const T* at, float (&v)[kChunk], uint4 negate) {
+// The kChunk elements of a chunk's 16 bytes (`raw`) as floats, each pair of 16-bit elements XORed
+// first with its word of `negate` (bit 15 flips the lower element's sign, bit 31 the upper's: the
+// transform's signs).
+template <typename T>
+__device__ __forceinline__ void unpack_chunk(uint4 raw, uint4 negate, float (&v)[kChunk]) {
   static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
-  const unsigned masks[4] = {negate.x, negate.y, negate.z, negate.w};
+  const unsigned words[4] = {raw.x ^ negate.x, raw.y ^ negate.y, raw.z ^ negate.z, raw.w ^ negate.w};
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) v[i] = to_float(T{static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)))});
+}
+
+// A chunk of x at `at` (rows not 16-byte aligned), element by element.
+template <typename T>
+__device__ __forceinline__ uint4 load_chunk_elements(const T* at) {
   unsigned words[4];
-  if constexpr (kVectorLoads) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(at);
-    words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
-  } else {
 #pragma unroll
-    for (int w = 0; w < 4; ++w) words[w] = at[2 * w].bits | static_cast<unsigned>(at[2 * w + 1].bits) << 16;
-  }
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    v[i] = to_float(T{static_cast<unsigned short>((words[i / 2] ^ masks[i / 2]) >> (16 * (i % 2)))});
-  }
+  for (int w = 0; w < 4; ++w) words[w] = at[2 * w].bits | static_cast<unsigned>(at[2 * w + 1].bits) << 16;
+  return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 // x / descale rounded as the reference rounds it (not x times 1 / descale), without a division
@@ -144,8 +153,8 @@ __device__ __forceinline__ void store_codes(const typename L::Values& v, float d
   }
 }
 
-// Into L2 only. A CTA takes its items one after the other, prefetching each next one while it
-// converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
+// Into L2 only. A quantize_fp8_vt CTA takes its items one after the other, prefetching each next
+// one while it converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
 
 // Item `item` of a batch entry: block `block` of head `h`, a thread's first row of it (quantize_fp8_vt: key) row0.
@@ -164,7 +173,7 @@ __device__ __forceinline__ constexpr float hadamard_norm() {
   return kHeadDim == 64 ? 0.125f : kHeadDim == 128 ? 0.0883883476483184405f : 0.0625f;
 }
 
-// H on each of the thread's rows, whose signs load_chunk applied (diag(signs) H), without the factor
+// H on each of the thread's rows, whose signs unpack_chunk applied (diag(signs) H), without the factor
 // hadamard_norm (the caller folds it into the amax and the quotient: a multiply an element fewer):
 // the butterfly's strides within a chunk (1, 2, 4), between a thread's chunks (the column bits above
 // the lanes'), then across the row's lanes, where the upper lane of a pair takes other - v and the
@@ -236,7 +245,7 @@ __device__ __forceinline__ float descale_of(float amax) {
 // At most 64 registers a thread (1024 / threads CTAs an SM): four CTAs an SM at head dim 64, two at
 // 128, whose loads and conversions overlap; 65-73 registers (ptxas's own choice) left one at 128.
 // (192-row blocks at 128: 768 threads, one CTA.)
-template <typename T, int kBlockRows, int kHeadDim, bool kHadamard, bool kVectorLoads>
+template <typename T, int kBlockRows, int kHeadDim, bool kHadamard, int kLoads>
 __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
                                   1024 / quantize_threads(kBlockRows, kHeadDim))
     quantize_fp8(const __grid_constant__ QuantizeFp8Params p) {
@@ -265,7 +274,7 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
   }
 
   const float norm = hadamard_norm<kHeadDim>();  // kHadamard's, folded into the amax and the quotient
-  // kHadamard: the signs as load_chunk's masks, word w (columns 2w and 2w + 1) in sign_words[w]. A
+  // kHadamard: the signs as unpack_chunk's masks, word w (columns 2w and 2w + 1) in sign_words[w]. A
   // negation an element took two instructions (a predicate from the sign bits, a negating add).
   __shared__ __align__(16) unsigned sign_words[kHadamard ? kHeadDim / 2 : 4];
   if constexpr (kHadamard) {
@@ -275,8 +284,40 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
     if (w < kHeadDim / 2) sign_words[w] = sign_bit(2 * w) << 15 | sign_bit(2 * w + 1) << 31;
     __syncthreads();
   }
-  for (int j = 0, item = blockIdx.x * p.items_per_cta; j < p.items_per_cta && item < items; ++j, ++item) {
+  // kLoadStaged: the thread's chunks of each item are copied into slots of its own (staged[stage]
+  // [chunk][thread]) kStages - 1 items ahead of the one it converts, and read back once its own
+  // cp.async group is complete (no barrier: no thread reads another's slots).
+  constexpr int kThreadChunks = L::kRows * L::kPieces;
+  extern __shared__ uint4 staged[];
+  const int first = blockIdx.x * p.items_per_cta, end = min(first + p.items_per_cta, items);
+  const auto stage = [&](int item) {
+    if (item < end) {
+      const auto [block, h, row0] = item_at<kBlockRows>(item, p.nheads, row_in_block);
+      const T* x = x_batch + h * p.x_stride_h;
+      const unsigned slots = smem_u32(staged + (item - first) % kStages * kThreadChunks * kThreads + threadIdx.x);
+#pragma unroll
+      for (int i = 0; i < L::kRows; ++i) {
+        const int row = row0 + i * kRowStep;
+#pragma unroll
+        for (int c = 0; c < L::kPieces; ++c) {
+          const bool valid = row < p.seqlen && col0 + c * L::kPieceStep < p.headdim;  // else zeros
+          const T* at = valid ? x + row * p.x_stride_s + c * L::kPieceStep : x;
+          cp_async_16(slots + (i * L::kPieces + c) * kThreads * sizeof(uint4), at, valid);
+        }
+      }
+    }
+    cp_async_commit();  // (an empty group past the last item: the waits count groups)
+  };
+  if constexpr (kLoads == kLoadStaged) {
+    for (int s = 0; s + 1 < kStages; ++s) stage(first + s);
+  }
+  for (int item = first; item < end; ++item) {
+    const int j = item - first;
     const auto [block, h, row0] = item_at<kBlockRows>(item, p.nheads, row_in_block);
+    if constexpr (kLoads == kLoadStaged) {
+      stage(item + kStages - 1);  // into the slots the thread read the item before from
+      cp_async_wait<kStages - 1>();
+    }
     const T* x = x_batch + h * p.x_stride_h;
     typename L::Values v;  // a head dim below kHeadDim (a multiple of 8) ends on a chunk boundary
 #pragma unroll
@@ -284,27 +325,18 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
       const int row = row0 + i * kRowStep;
 #pragma unroll
       for (int c = 0; c < L::kPieces; ++c) {
-        if (row < p.seqlen && col0 + c * L::kPieceStep < p.headdim) {
-          // chunk c's columns: kChunk (c kLanes + lane) on, words 4 (c kLanes + lane) on
-          const uint4 negate = kHadamard ? *reinterpret_cast<const uint4*>(sign_words + 4 * (c * L::kLanes + lane))
-                                         : make_uint4(0u, 0u, 0u, 0u);
-          load_chunk<T, kVectorLoads>(x + row * p.x_stride_s + c * L::kPieceStep, v[i][c], negate);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kChunk; ++e) v[i][c][e] = 0.f;  // leaves the amax as it is; never stored
+        // chunk c's columns: kChunk (c kLanes + lane) on, words 4 (c kLanes + lane) on
+        const uint4 negate = kHadamard ? *reinterpret_cast<const uint4*>(sign_words + 4 * (c * L::kLanes + lane))
+                                       : make_uint4(0u, 0u, 0u, 0u);
+        uint4 raw = make_uint4(0u, 0u, 0u, 0u);  // past the rows and the head dim: leaves the amax as it
+                                                 // is, never stored
+        if constexpr (kLoads == kLoadStaged) {
+          raw = staged[(j % kStages * kThreadChunks + i * L::kPieces + c) * kThreads + threadIdx.x];
+        } else if (row < p.seqlen && col0 + c * L::kPieceStep < p.headdim) {
+          const T* at = x + row * p.x_stride_s + c * L::kPieceStep;
+          raw = kLoads == kLoadVectors ? *reinterpret_cast<const uint4*>(at) : load_chunk_elements(at);
         }
-      }
-    }
-    if (j + 1 < p.items_per_cta && item + 1 < items && lane == 0) {  // a row's lines: lane 0's chunks span them
-      const Item next = item_at<kBlockRows>(item + 1, p.nheads, row_in_block);
-#pragma unroll
-      for (int i = 0; i < L::kRows; ++i) {
-        const int row = next.row0 + i * kRowStep;
-        const T* at = x_batch + next.h * p.x_stride_h + row * p.x_stride_s;
-#pragma unroll
-        for (int c = 0; c < L::kPieces; ++c) {
-          if (row < p.seqlen && c * L::kPieceStep < p.headdim) prefetch_l2(at + c * L::kPieceStep);
-        }
+        unpack_chunk<T>(raw, negate, v[i][c]);
       }
     }
     if constexpr (kHadamard) hadamard_rows<kHeadDim>(v, lane);

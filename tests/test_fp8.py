@@ -424,6 +424,37 @@ def test_quantize_fp8_on_gpu_matches_the_reference(dtype, headdim, block, hadama
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("headdim,block,hadamard", [(64, None, True), (128, 128, True), (128, 192, True),
+                                                    (256, 128, False), (96, 128, False), (128, 192, False)])
+def test_quantize_fp8_on_gpu_staged_or_straight_loads_give_the_same_codes(monkeypatch, headdim, block, hadamard):
+    """The quantizer with x's chunks staged through shared memory (LOAD_STAGED, where an SM has room)
+    and with 16-byte loads straight into registers (LOAD_VECTORS, chosen here by shrinking the shared
+    memory the selection sees, as on sm_89): the same codes and descales, bit for bit, over rows that
+    end in a short block, with CTAs of several items (items split as for a GPU of 4 SMs)."""
+    torch = pytest.importorskip("torch")
+    from cuflash import dispatch, jit
+    from cuflash.kernels import quantize_fp8 as quantize
+
+    x = _gpu_x(torch, (3, 1000, 4, headdim), "bfloat16", headdim)
+    x[1, ::89, 2, :3] *= 30  # outliers
+    results, properties = {}, {**jit.device_properties(0), "multiProcessorCount": 4}
+    rows, compiled = block or reference.FP8_BLOCK, quantize._compiled_headdim(headdim)
+    for loads, per_sm in ((quantize.LOAD_STAGED, properties["sharedMemPerMultiprocessor"]), (quantize.LOAD_VECTORS, 0)):
+        monkeypatch.setattr(jit, "device_properties",
+                            lambda index: {**properties, "sharedMemPerMultiprocessor": per_sm})
+        dispatch.clear_plans()
+        assert quantize._loads(0, True, rows, compiled) == loads
+        assert quantize._items_split(0, 3, 4, 1000, rows, compiled)[0] >= 4
+        x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=3)
+        results[loads] = (x8.view(torch.uint8).clone(), descale.clone())
+    dispatch.clear_plans()
+    assert torch.equal(results[quantize.LOAD_STAGED][0], results[quantize.LOAD_VECTORS][0])
+    assert torch.equal(results[quantize.LOAD_STAGED][1], results[quantize.LOAD_VECTORS][1])
+    _, want_descale = reference.quantize_fp8(x.cpu().float().numpy(), block, 3 if hadamard else None)
+    np.testing.assert_allclose(results[quantize.LOAD_STAGED][1].cpu().numpy(), want_descale, rtol=2e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block", [None, 128])
 def test_quantize_fp8_on_gpu_keeps_the_references_nans_and_infinities(block):
     """A NaN does not count towards its group's scale and stays NaN; an infinity makes the scale
@@ -622,8 +653,13 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
     assert kernels.workspace(dataclasses.replace(problem, device=Device("cpu"))) == {}  # the reference needs none
 
 
+HOPPER_SHARED_MEMORY = {"sharedMemPerBlockOptin": 232448, "sharedMemPerMultiprocessor": 233472}  # an H100's
+
+
 def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkeypatch):
-    """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows; scales per
+    """The GPU quantizer's plumbing, offline: 16-byte loads only for 16-byte aligned rows, through
+    shared memory where the CTAs an SM holds have room for their staged items (all on sm_90, only
+    192-row blocks on sm_89), with that shared memory asked for at every launch; scales per
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
     reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
     grid x (ITEMS_PER_CTA, or the items spread over one wave where that leaves fewer on the busiest
@@ -637,7 +673,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
 
     problem = Problem(op="quantize_fp8", framework="torch", device=Device("cuda", 0), dtype="bfloat16", batch=2,
                       seqlen_q=300, seqlen_k=300, nheads=3, nheads_kv=3, headdim=128, hadamard_seed=5)
-    properties = {"multiProcessorCount": 132, "major": 9, "minor": 0}
+    properties = {"multiProcessorCount": 132, "major": 9, "minor": 0, **HOPPER_SHARED_MEMORY}
     monkeypatch.setattr(jit, "device_properties", lambda index: properties)
 
     def rows(p, ptr=1 << 20, pad=0):
@@ -645,25 +681,26 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
         return DeviceArray(ptr=ptr, shape=(p.batch, p.seqlen_q, p.nheads, p.headdim),
                            strides=(p.seqlen_q * p.nheads * width, p.nheads * width, width, 1))
 
-    assert quantize.select(problem, {"x": rows(problem)}).vector_loads
-    assert not quantize.select(problem, {"x": rows(problem, ptr=(1 << 20) + 2)}).vector_loads
-    assert not quantize.select(problem, {"x": rows(problem, pad=4)}).vector_loads  # strides of 132 elements
+    assert quantize.select(problem, {"x": rows(problem)}).loads == quantize.LOAD_STAGED
+    assert quantize.select(problem, {"x": rows(problem, ptr=(1 << 20) + 2)}).loads == quantize.LOAD_ELEMENTS
+    assert quantize.select(problem, {"x": rows(problem, pad=4)}).loads == quantize.LOAD_ELEMENTS  # 132-element rows
     per_block = dataclasses.replace(problem, fp8_block=128)
     assert kernels.workspace(per_block) == {}
     assert kernels.workspace(problem) == {"block_amax": ((2, 3, 3), "float32")}
 
-    launches, dependent = [], []
-    def function(grid, block, args, stream):
+    launches, dependent, shared = [], [], []
+    def function(grid, block, args, shared_mem, stream):
         launches.append((grid, block, np.frombuffer(args[0].tobytes(), quantize.QUANTIZE_FP8_PARAMS)[0]))
         dependent.append(False)
+        shared.append(shared_mem)
 
     class DependentLaunch:  # driver.DependentLaunch's: the same record
         def __init__(self, kernel, grid, block, shared_mem):
-            assert kernel is function and shared_mem == 0
-            self.grid, self.block = grid, block
+            assert kernel is function
+            self.grid, self.block, self.shared_mem = grid, block, shared_mem
 
         def __call__(self, params, stream):
-            function(self.grid, self.block, (np.frombuffer(params, np.uint8),), stream)
+            function(self.grid, self.block, (np.frombuffer(params, np.uint8),), self.shared_mem, stream)
             dependent[-1] = True
 
     monkeypatch.setattr(driver, "DependentLaunch", DependentLaunch)
@@ -677,19 +714,28 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
                                (per_block, [(quantize.BLOCK_SCALES, items)], True)):
         launches.clear()
         dependent.clear()
+        shared.clear()
         quantize.prepare(variant, function, p, arrays, arrays, dependent=chained)(arrays, arrays, None)
         assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
         assert dependent == [chained] + [True] * (len(passes) - 1)
         assert all(block == (quantize.threads(128, 128),) == (512,) for _, block, _ in launches)
+        assert shared == [variant.dynamic_shared_bytes] * len(passes) == [2 * 128 * 128 * 2] * len(passes)
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
                    and params["x"] == 1 << 20 and params["x8"] == 2 << 20 and params["items_per_cta"] == 1
                    for _, _, params in launches)
-    properties.update(major=8, minor=9)  # Ada: no griddepcontrol in the kernels, no dependent launch
+    # Ada: no griddepcontrol in the kernels, no dependent launch; 100 KiB of shared memory an SM, where
+    # two 512-thread CTAs' staged items (64 KiB each) do not fit: loads straight into registers
+    properties.update(major=8, minor=9, sharedMemPerBlockOptin=101376, sharedMemPerMultiprocessor=102400)
     launches.clear()
     dependent.clear()
-    quantize.prepare(variant, function, problem, arrays, arrays)(arrays, arrays, None)
-    assert dependent == [False] * 3
-    properties.update(major=9, minor=0)
+    shared.clear()
+    ada = quantize.select(problem, {"x": rows(problem)})
+    assert ada.loads == quantize.LOAD_VECTORS and ada.dynamic_shared_bytes == 0
+    quantize.prepare(ada, function, problem, arrays, arrays)(arrays, arrays, None)
+    assert dependent == [False] * 3 and shared == [0] * 3
+    wide_ada = quantize.select(dataclasses.replace(problem, fp8_block=192), {"x": rows(problem)})
+    assert wide_ada.loads == quantize.LOAD_STAGED and wide_ada.dynamic_shared_bytes == 2 * 192 * 128 * 2  # one CTA
+    properties.update(major=9, minor=0, **HOPPER_SHARED_MEMORY)
     # attention(fp8=True)'s k and v at head dim 128: blocks of 192 rows (2 of 300), 768 threads a CTA
     wide = dataclasses.replace(problem, fp8_block=192)
     wide_variant = quantize.select(wide, {"x": rows(wide)})
@@ -770,7 +816,8 @@ def test_fp8_launches_after_other_kernels_as_their_programmatic_dependents(monke
     from cuflash.problem import Problem
 
     monkeypatch.setattr(tma, "encode_tiled", lambda *args: bytes(tma.MAP_BYTES))
-    monkeypatch.setattr(jit, "device_properties", lambda index: {"multiProcessorCount": 132, "major": 9, "minor": 0})
+    monkeypatch.setattr(jit, "device_properties",
+                        lambda index: {"multiProcessorCount": 132, "major": 9, "minor": 0, **HOPPER_SHARED_MEMORY})
     launched = []
 
     class Function:  # a loaded kernel: records its ordinary launches
@@ -823,16 +870,18 @@ def test_fp8_launches_after_other_kernels_as_their_programmatic_dependents(monke
     assert wait_for_inputs(launched[-1][2]) == 0
 
 
-def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace():
+def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspace(monkeypatch):
     """attention(fp8=True)'s op on Hopper (fwd_quantized_sm90): the FP8 forward's own row for the
     problem, pre-transposed (V^T comes from the quantizer), with the tensor-core row sums at head dim
     64 without the LSE; at head dim 128 from 2048 keys the 192-key row, k and v quantized per 192
     rows; its workspace (e4m3 q, k, V^T and the descales) from the problem alone; empty sequences,
     head dims that are not multiples of 16 and forced rows of another key block refused."""
-    from cuflash import kernels
+    from cuflash import jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import fwd_sm90, quantized_sm90
     from cuflash.problem import Problem
+
+    monkeypatch.setattr(jit, "device_properties", lambda index: HOPPER_SHARED_MEMORY)  # (the quantizers' loads)
 
     problem = Problem(op="attention_quantized_forward", framework="torch", device=Device("cuda", 0),
                       dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=1000, nheads=4, nheads_kv=2, headdim=256,

@@ -1,7 +1,8 @@
 """quantize_fp8: fp16/bf16 attention inputs to e4m3 with amax scales per head or per block of 128 rows
 (descale (batch, nheads) or (batch, nheads, ceil(seqlen / 128)), one scale per block), optionally
 after the random-sign Hadamard transform (cuda_src/quantize_fp8.cu; the semantics are
-reference.quantize_fp8's). A CTA per run of (block, head) items; scales per head take three
+reference.quantize_fp8's). A CTA per run of (block, head) items, each next one copied into shared
+memory while the CTA converts one where that fits (LOAD_STAGED); scales per head take three
 launches (each block's amax to a workspace, a head's descale from them, the codes). Blocks of 192
 rows (reference.FP8_WIDE_KEY_BLOCK) at head dim 128 serve attention(..., fp8=True)'s k and v
 (fwd_quantized_sm90). Needs the e4m3 conversion of sm_89 and newer."""
@@ -30,6 +31,11 @@ assert QUANTIZE_FP8_PARAMS.fields["items_per_cta"][1] == 128, "keep in step with
 PARAMS = ParamStruct(QUANTIZE_FP8_PARAMS)
 BLOCK_SCALES, HEAD_AMAX, HEAD_SCALE, HEAD_CONVERT = 0, 1, 2, 3
 ELEMENTS, CHUNK = 32, 8  # kElements (a thread's), kChunk
+# How a thread's chunks of x reach it (the kernel's kLoads): element by element (rows not 16-byte
+# aligned), one 16-byte load a chunk, or those through shared memory, copied STAGES - 1 items ahead
+# (where STAGES items of each of the CTAs an SM holds fit its shared memory).
+LOAD_ELEMENTS, LOAD_VECTORS, LOAD_STAGED = 0, 1, 2
+STAGES = 2  # kStages
 ITEMS_PER_CTA = 4  # (block, head) items a CTA, unless fewer or more spread them better (_items_split)
 MAX_ITEMS = 2**31 - 1  # the kernels count a batch entry's (block, head) items in int, never past the last
 
@@ -46,6 +52,20 @@ def threads(block_rows: int, headdim: int) -> int:
     return block_rows * headdim // ELEMENTS
 
 
+def ctas_per_sm(block_rows: int, headdim: int) -> int:
+    """The CTAs an SM holds: 1024 threads, as the kernels' launch bounds ask."""
+    return max(1, 1024 // threads(block_rows, headdim))
+
+
+def staged_bytes(block_rows: int, headdim: int) -> int:
+    """quantize_fp8's shared memory with LOAD_STAGED: STAGES items of x."""
+    return STAGES * block_rows * headdim * ELEMENT_BYTES
+
+
+STATIC_SHARED_BYTES = 1024  # at least quantize_fp8's own (warp maxima and sign words: 768 bytes at most)
+RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps for each CTA (sm_80 and newer)
+
+
 @dataclass(frozen=True)
 class QuantizeFp8Variant(Variant):
     family = "quantize_fp8"
@@ -56,7 +76,7 @@ class QuantizeFp8Variant(Variant):
     block_rows: int  # rows per block scale (scales per head: FP8_BLOCK-row items)
     headdim: int  # compiled
     hadamard: bool
-    vector_loads: bool  # x's rows are 16-byte aligned (kernels.rows_aligned): one load a chunk
+    loads: int  # LOAD_ELEMENTS, LOAD_VECTORS or LOAD_STAGED (the latter two: x's rows 16-byte aligned)
 
     def check(self) -> None:
         if self.dtype not in CXX_TYPES:
@@ -66,14 +86,21 @@ class QuantizeFp8Variant(Variant):
         if (self.block_rows, self.headdim) not in BLOCK_ROWS:
             raise ValueError(f"quantize_fp8: blocks of {self.block_rows} rows at head dim {self.headdim} are not "
                              f"among the compiled {BLOCK_ROWS}")
+        if self.loads not in (LOAD_ELEMENTS, LOAD_VECTORS, LOAD_STAGED):
+            raise ValueError(f"quantize_fp8: loads {self.loads} is not one of LOAD_ELEMENTS, LOAD_VECTORS, LOAD_STAGED")
 
     def template_args(self) -> tuple[str, ...]:
         return (CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.hadamard),
-                cxx_bool(self.vector_loads))
+                str(self.loads))
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        return staged_bytes(self.block_rows, self.headdim) if self.loads == LOAD_STAGED else 0
 
 
-VARIANTS = tuple(QuantizeFp8Variant(dtype, block_rows, headdim, hadamard, vector_loads) for dtype in sorted(CXX_TYPES)
-                 for block_rows, headdim in BLOCK_ROWS for hadamard in (False, True) for vector_loads in (True, False))
+VARIANTS = tuple(QuantizeFp8Variant(dtype, block_rows, headdim, hadamard, loads) for dtype in sorted(CXX_TYPES)
+                 for block_rows, headdim in BLOCK_ROWS for hadamard in (False, True)
+                 for loads in (LOAD_STAGED, LOAD_VECTORS, LOAD_ELEMENTS))
 
 
 @dataclass(frozen=True)
@@ -92,7 +119,7 @@ class QuantizeFp8TransposedVariant(Variant):
     vector_loads: bool  # V's rows are 16-byte aligned: an 8-byte load per key and four columns
 
     def check(self) -> None:
-        QuantizeFp8Variant(self.dtype, self.block_rows, self.headdim, False, self.vector_loads).check()
+        QuantizeFp8Variant(self.dtype, self.block_rows, self.headdim, False, LOAD_ELEMENTS).check()
 
     def template_args(self) -> tuple[str, ...]:
         return CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.vector_loads)
@@ -115,10 +142,24 @@ def select(problem, inputs) -> QuantizeFp8Variant:
     if hadamard and headdim != problem.headdim:  # zero-filled columns would join the transform
         raise ValueError(f"quantize_fp8 applies the Hadamard transform to head dims {HEADDIMS} on GPU; "
                          f"got {problem.headdim}")
-    variant = QuantizeFp8Variant(problem.dtype, problem.fp8_block or reference.FP8_BLOCK, headdim, hadamard,
-                                 rows_aligned(inputs["x"], ELEMENT_BYTES))
+    rows = problem.fp8_block or reference.FP8_BLOCK
+    variant = QuantizeFp8Variant(problem.dtype, rows, headdim, hadamard,
+                                 _loads(problem.device.index, rows_aligned(inputs["x"], ELEMENT_BYTES), rows, headdim))
     variant.check()  # (blocks of 192 rows: attention(fp8=True)'s k and v, at the head dims that take them)
     return variant
+
+
+def _loads(device_index: int, aligned: bool, block_rows: int, headdim: int) -> int:
+    """LOAD_STAGED where x's rows are 16-byte aligned and the staged items of as many CTAs as the
+    launch bounds ask fit an SM's shared memory (an sm_90's 228 KiB: every compiled block; 100 KiB
+    on sm_89 and sm_120: 192-row blocks only), else LOAD_VECTORS or, unaligned, LOAD_ELEMENTS."""
+    if not aligned:
+        return LOAD_ELEMENTS
+    properties = jit.device_properties(device_index)
+    need = staged_bytes(block_rows, headdim) + STATIC_SHARED_BYTES
+    fits = (need <= int(properties["sharedMemPerBlockOptin"]) and ctas_per_sm(block_rows, headdim)
+            * (need + RESERVED_SHARED_BYTES) <= int(properties["sharedMemPerMultiprocessor"]))
+    return LOAD_STAGED if fits else LOAD_VECTORS
 
 
 @lru_cache(maxsize=64)  # drawing the signs costs more than the launch
@@ -156,8 +197,7 @@ def _items_split(device_index: int, batch: int, nheads: int, seqlen: int, block_
     items on a 16k x 2048 tensor, and 11 items a CTA in one wave measured 1.08x (H200, session 45).
     On whole waves 4 stays: spread over one wave, head dim 64 measured 0.96x (256 at 1.02-1.04x)."""
     items = reference.fp8_blocks(seqlen, block_rows) * nheads
-    ctas_per_sm = max(1, 1024 // threads(block_rows, headdim))
-    slots = int(jit.device_properties(device_index)["multiProcessorCount"]) * ctas_per_sm
+    slots = int(jit.device_properties(device_index)["multiProcessorCount"]) * ctas_per_sm(block_rows, headdim)
     spread = -(-batch * items // slots)  # the busiest SM's items, spread evenly
     busiest = ITEMS_PER_CTA * -(-batch * -(-items // ITEMS_PER_CTA) // slots)  # ITEMS_PER_CTA a CTA
     per_cta = ITEMS_PER_CTA if busiest <= spread else spread
@@ -194,8 +234,8 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dep
               [(HEAD_AMAX, items), (HEAD_SCALE, (problem.nheads, problem.batch)), (HEAD_CONVERT, items)])
     block_dim = (threads(rows, variant.headdim),)
     waits = jit.device_compute_capability(problem.device.index) >= (9, 0)  # griddepcontrol is sm_90's
-    launches = [(PARAMS.template(**fields, **{"pass": p}), _launcher(function, grid, block_dim,
-                                                                     dependent or (waits and i > 0)))
+    launches = [(PARAMS.template(**fields, **{"pass": p}),
+                 _launcher(function, grid, block_dim, variant.dynamic_shared_bytes, dependent or (waits and i > 0)))
                 for i, (p, grid) in enumerate(passes)]
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
@@ -226,7 +266,7 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_i
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
                                x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], items_per_cta=per_cta,
                                **{"pass": BLOCK_SCALES})
-    launch_params = _launcher(function, grid, (threads(variant.block_rows, variant.headdim),), dependent)
+    launch_params = _launcher(function, grid, (threads(variant.block_rows, variant.headdim),), 0, dependent)
 
     def launch(v, vt, descale, stream) -> None:
         params = bytearray(template)
@@ -236,12 +276,13 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_i
     return launch
 
 
-def _launcher(function, grid: tuple[int, int], block: tuple[int], dependent: bool):
-    """launch(params, stream) of `function` (either kernel; static shared memory only): as a
-    programmatic dependent (driver.DependentLaunch), or an ordinary launch."""
+def _launcher(function, grid: tuple[int, int], block: tuple[int], shared_mem: int, dependent: bool):
+    """launch(params, stream) of `function` (either kernel, with `shared_mem` bytes of dynamic shared
+    memory): as a programmatic dependent (driver.DependentLaunch), or an ordinary launch."""
     if dependent:
-        return driver.DependentLaunch(function, grid, block, 0)
-    return lambda params, stream: function(grid, block, (PARAMS.argument(params),), stream=stream)
+        return driver.DependentLaunch(function, grid, block, shared_mem)
+    return lambda params, stream: function(grid, block, (PARAMS.argument(params),), shared_mem=shared_mem,
+                                           stream=stream)
 
 
 FAMILY = Family(
