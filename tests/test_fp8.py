@@ -662,8 +662,8 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     192-row blocks on sm_89), with that shared memory asked for at every launch; scales per
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
     reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
-    grid x (ITEMS_PER_CTA, or the items spread over one wave where that leaves fewer on the busiest
-    SM), batch on grid y; on sm_90 the second and third launches per head as programmatic
+    grid x (ITEMS_PER_CTA, or the items spread over one wave where a CTA has its SM to itself or that
+    leaves fewer on the busiest SM), batch on grid y; on sm_90 the second and third launches per head as programmatic
     dependents of the one before (as the first too with dependent=True, a link of
     attention(fp8=True)'s chain), on sm_89 ordinary ones; grids that do not fit are refused by name."""
     from cuflash import driver, jit, kernels
@@ -751,6 +751,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     assert quantize._items_split(0, 1, 16, 16384, 192, 128) == (11, (126, 1))
     assert quantize._items_split(0, 4, 16, 4096, 192, 128) == (11, (32, 4))  # 22 blocks a batch entry
     assert quantize._items_split(0, 1, 32, 16384, 128, 64) == (4, (1024, 1))  # 256 threads: four CTAs an SM
+    assert quantize._items_split(0, 1, 8, 16384, 128, 256) == (8, (128, 1))  # 1024 threads: one wave of 128
     with pytest.raises(ValueError, match=r"blocks of 192 rows at head dim 64 are not among the compiled"):
         quantize.select(dataclasses.replace(wide, headdim=64), {"x": rows(dataclasses.replace(wide, headdim=64))})
     with pytest.raises(ValueError, match=r"quantize_fp8 launches a row of CTAs .*batch 65536 must be at most 65535"):

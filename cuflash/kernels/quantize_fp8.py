@@ -191,16 +191,19 @@ def check_items(batch: int, nheads: int, seqlen: int, block_rows: int) -> None:
 def _items_split(device_index: int, batch: int, nheads: int, seqlen: int, block_rows: int,
                  headdim: int) -> tuple[int, tuple[int, int]]:
     """(items a CTA, grid) of a pass over x (either kernel): consecutive (block, head) items of a
-    batch entry a CTA, batch on grid y. ITEMS_PER_CTA, or the items spread evenly over one wave of
-    CTAs (each SM holds 1024 / threads of them, as the kernels' launch bounds ask) where that leaves
-    fewer on the busiest SM: the 192-row blocks' 768-thread CTAs (one an SM) ran 2.6 waves of 4
-    items on a 16k x 2048 tensor, and 11 items a CTA in one wave measured 1.08x (H200, session 45).
-    On whole waves 4 stays: spread over one wave, head dim 64 measured 0.96x (256 at 1.02-1.04x)."""
+    batch entry a CTA, batch on grid y. The items spread evenly over one wave of CTAs (each SM holds
+    1024 / threads of them, as the kernels' launch bounds ask) where a CTA has its SM to itself or
+    that leaves fewer on the busiest SM than ITEMS_PER_CTA a CTA, else ITEMS_PER_CTA. The 192-row
+    blocks' 768-thread CTAs ran 2.6 waves of 4 items on a 16k x 2048 tensor, and 11 items a CTA in
+    one wave measured 1.08x (H200, session 45); head dim 256's 1024-thread CTAs, on as many items a
+    CTA either way, 1.04-1.06x (staged quantize_fp8; H200, session 52). On whole waves of CTAs that
+    share their SM, 4 stays: spread over one wave, head dim 64 measured 0.96x (128 1.0x)."""
     items = reference.fp8_blocks(seqlen, block_rows) * nheads
-    slots = int(jit.device_properties(device_index)["multiProcessorCount"]) * ctas_per_sm(block_rows, headdim)
+    sharing = ctas_per_sm(block_rows, headdim)
+    slots = int(jit.device_properties(device_index)["multiProcessorCount"]) * sharing
     spread = -(-batch * items // slots)  # the busiest SM's items, spread evenly
     busiest = ITEMS_PER_CTA * -(-batch * -(-items // ITEMS_PER_CTA) // slots)  # ITEMS_PER_CTA a CTA
-    per_cta = ITEMS_PER_CTA if busiest <= spread else spread
+    per_cta = ITEMS_PER_CTA if sharing > 1 and busiest <= spread else spread
     return per_cta, (-(-items // per_cta), batch)
 
 
