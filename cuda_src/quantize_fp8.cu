@@ -397,14 +397,18 @@ __device__ __forceinline__ void store_transposed_codes(const float (&v)[8][4], f
                    (static_cast<unsigned>(e4m3x2(q[4 * i + 3], q[4 * i + 2])) << 16);
     }
   }
-  const int mine = low ? 0 : 2, theirs = low ? 2 : 0;  // the columns this thread stores, and its partner
+  const int mine = low ? 0 : 2;  // the first of the two columns this thread stores (its partner the others)
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    unsigned other[2];
+    // (values selected, not arrays: a pointer to either array put both in local memory)
+    unsigned lo[2], hi[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) other[i] = __shfl_xor_sync(0xffffffffu, half[theirs + c][i], kPartner);
-    const unsigned* lo = low ? half[mine + c] : other;
-    const unsigned* hi = low ? other : half[mine + c];
+    for (int i = 0; i < 2; ++i) {
+      const unsigned own = low ? half[c][i] : half[2 + c][i];
+      const unsigned other = __shfl_xor_sync(0xffffffffu, low ? half[2 + c][i] : half[c][i], kPartner);
+      lo[i] = low ? own : other;
+      hi[i] = low ? other : own;
+    }
     // word w: keys 2w, 2w + 1 (lo's halfword w) and 2w + 8, 2w + 9 (hi's halfword w)
     if (store) *reinterpret_cast<uint4*>(dst + (mine + c) * row_stride) = make_uint4(
         __byte_perm(lo[0], hi[0], 0x5410), __byte_perm(lo[0], hi[0], 0x7632),
@@ -422,8 +426,12 @@ __device__ __forceinline__ void store_transposed_codes(const float (&v)[8][4], f
 // row's. A warp takes 32 keys (two groups of 16) by 32 head-dim columns: lane = 8 slot + c, a
 // thread 8 keys (slot's) of four neighbouring columns (an 8-byte load a key: the 8 lanes of a slot
 // read 64 contiguous bytes of each key), and stores two rows of its group's 16 keys (16 bytes),
-// next to those of the neighbouring group (slot ^ 2): whole 32-byte sectors.
-template <typename T, int kBlockRows, int kHeadDim, bool kVectorLoads>
+// next to those of the neighbouring group (slot ^ 2): whole 32-byte sectors. kLoads as
+// quantize_fp8's, but kLoadStaged copies an item's rows whole, in 16-byte chunks (a warp's 512
+// contiguous bytes where rows are dense), which the CTA's threads read after a barrier: against
+// loads straight into registers, 0.85x the time at head dim 256, 0.99x at 128 (H200, ncu, session
+// 52; 8-byte copies of each thread's own keys took 1.2x as long).
+template <typename T, int kBlockRows, int kHeadDim, int kLoads>
 __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
                                   1024 / quantize_threads(kBlockRows, kHeadDim))
     quantize_fp8_vt(const __grid_constant__ QuantizeFp8Params p) {
@@ -444,33 +452,65 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
   const int nblocks = p.seqlen / kBlockRows + (p.seqlen % kBlockRows != 0), items = nblocks * p.nheads;
   const int seqlen_pad = static_cast<int>(p.x8_stride_s);
   const bool live = col < p.headdim;  // a head dim below kHeadDim is a multiple of 8
-  const T* x_batch = static_cast<const T*>(p.x) + b * p.x_stride_b + col;
+  const T* x_rows = static_cast<const T*>(p.x) + b * p.x_stride_b;
+  const T* x_batch = x_rows + col;
   __shared__ float warp_amax[2][kWarps];  // by item parity, as in quantize_fp8
 
-  for (int j = 0, item = blockIdx.x * p.items_per_cta; j < p.items_per_cta && item < items; ++j, ++item) {
-    const auto [block, h, key0] = item_at<kBlockRows>(item, p.nheads, first_key);
-    const T* at = x_batch + h * p.x_stride_h + key0 * p.x_stride_s;  // key k's, stepped (not multiplied)
-    float v[kKeys][4];
+  // kLoadStaged: chunk c (16 bytes) of the item's key k at staged_rows[stage][k][c ^ swap(k)]: the
+  // 64-byte halves of every other 8 keys' rows swapped, so that a warp's reads of a key each (four
+  // keys 8 apart, 64 bytes each) take two wavefronts, the fewest for 256 bytes.
+  constexpr int kRowChunks = kHeadDim / kChunk, kItemChunks = kBlockRows * kRowChunks;
+  static_assert(kItemChunks % kThreads == 0 && kRowChunks >= 8, "whole rows of 8 chunks or more");
+  const auto swap = [](int key) { return (key & 8) >> 1; };
+  extern __shared__ uint4 staged_rows[];
+  const int first = blockIdx.x * p.items_per_cta, end = min(first + p.items_per_cta, items);
+  const auto stage = [&](int item) {
+    if (item < end) {
+      const auto [block, h, key0] = item_at<kBlockRows>(item, p.nheads, 0);
+      const T* x = x_rows + h * p.x_stride_h;
+      uint4* rows = staged_rows + (item - first) % kStages * kItemChunks;
 #pragma unroll
-    for (int k = 0; k < kKeys; ++k, at += p.x_stride_s) {
-      if (live && key0 + k < p.seqlen) {
-        if constexpr (kVectorLoads) {  // 16-byte aligned rows: col is a multiple of 4, so 8 bytes
-          const uint2 words = *reinterpret_cast<const uint2*>(at);
-          v[k][0] = to_float(T{static_cast<unsigned short>(words.x & 0xffffu)});
-          v[k][1] = to_float(T{static_cast<unsigned short>(words.x >> 16)});
-          v[k][2] = to_float(T{static_cast<unsigned short>(words.y & 0xffffu)});
-          v[k][3] = to_float(T{static_cast<unsigned short>(words.y >> 16)});
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) v[k][c] = to_float(at[c]);
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[k][c] = 0.f;  // leaves the amax as it is; a padding key's code is 0
+      for (int i = threadIdx.x; i < kItemChunks; i += kThreads) {
+        const int key = i / kRowChunks, chunk = i % kRowChunks;
+        const bool valid = key0 + key < p.seqlen && chunk * kChunk < p.headdim;  // else zeros
+        const T* at = valid ? x + (key0 + key) * p.x_stride_s + chunk * kChunk : x;
+        cp_async_16(smem_u32(rows + key * kRowChunks + (chunk ^ swap(key))), at, valid);
       }
     }
-    // A slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
-    if (j + 1 < p.items_per_cta && item + 1 < items) {
+    cp_async_commit();
+  };
+  if constexpr (kLoads == kLoadStaged) {
+    for (int s = 0; s + 1 < kStages; ++s) stage(first + s);
+  }
+  for (int item = first; item < end; ++item) {
+    const int j = item - first;
+    const auto [block, h, key0] = item_at<kBlockRows>(item, p.nheads, first_key);
+    if constexpr (kLoads == kLoadStaged) {
+      stage(item + kStages - 1);  // over the item before's rows, which every thread read before its cta_max
+      cp_async_wait<kStages - 1>();
+      __syncthreads();  // every thread's chunks of this item
+    }
+    const T* at = x_batch + h * p.x_stride_h + key0 * p.x_stride_s;  // key k's, stepped (not multiplied)
+    float v[kKeys][4];  // zeros past the keys and the head dim: they leave the amax as it is; a padding key's code is 0
+#pragma unroll
+    for (int k = 0; k < kKeys; ++k, at += p.x_stride_s) {
+      uint2 words = make_uint2(0u, 0u);  // columns col .. col + 3
+      if constexpr (kLoads == kLoadStaged) {
+        const int key = first_key + k;
+        const uint4* row = staged_rows + j % kStages * kItemChunks + key * kRowChunks;
+        words = reinterpret_cast<const uint2*>(row + ((col / kChunk) ^ swap(key)))[col % kChunk / 4];
+      } else if (live && key0 + k < p.seqlen) {
+        words = kLoads == kLoadVectors ? *reinterpret_cast<const uint2*>(at)  // col: a multiple of 4, so 8 bytes
+                                       : make_uint2(at[0].bits | static_cast<unsigned>(at[1].bits) << 16,
+                                                    at[2].bits | static_cast<unsigned>(at[3].bits) << 16);
+      }
+      v[k][0] = to_float(T{static_cast<unsigned short>(words.x & 0xffffu)});
+      v[k][1] = to_float(T{static_cast<unsigned short>(words.x >> 16)});
+      v[k][2] = to_float(T{static_cast<unsigned short>(words.y & 0xffffu)});
+      v[k][3] = to_float(T{static_cast<unsigned short>(words.y >> 16)});
+    }
+    // Unstaged, a slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
+    if (kLoads != kLoadStaged && item + 1 < end) {
       const Item next = item_at<kBlockRows>(item + 1, p.nheads, first_key);
       const int key = next.row0 + lane % 8;
       if (live && key < p.seqlen) prefetch_l2(x_batch + next.h * p.x_stride_h + key * p.x_stride_s);

@@ -443,7 +443,7 @@ def test_quantize_fp8_on_gpu_staged_or_straight_loads_give_the_same_codes(monkey
         monkeypatch.setattr(jit, "device_properties",
                             lambda index: {**properties, "sharedMemPerMultiprocessor": per_sm})
         dispatch.clear_plans()
-        assert quantize._loads(0, True, rows, compiled) == loads
+        assert quantize.select_loads(0, True, rows, compiled) == loads
         assert quantize._items_split(0, 3, 4, 1000, rows, compiled)[0] >= 4
         x8, descale = cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=3)
         results[loads] = (x8.view(torch.uint8).clone(), descale.clone())

@@ -614,6 +614,36 @@ def _fp8_true_case(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, had
 
 
 @hopper_only
+@pytest.mark.parametrize("headdim, seqlen_k", [(64, 700), (128, 1000), (128, 3000), (256, 900), (96, 2500)])
+def test_fp8_true_quantizers_staged_or_straight_give_the_same_bits(monkeypatch, headdim, seqlen_k):
+    """attention(fp8=True) with its quantizers' items staged through shared memory (LOAD_STAGED, on
+    Hopper) and with 16-byte loads straight into registers (LOAD_VECTORS, chosen by shrinking the
+    shared memory the selection sees, as on GPUs with 100 KiB an SM): the same out and lse, bit for
+    bit (at head dim 128 from 2k keys, k and v per 192 rows), over CTAs of several items (items
+    split as for a GPU of 4 SMs)."""
+    from cuflash import jit
+    from cuflash.kernels import quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(headdim + seqlen_k)
+    q = torch.randn(2, 300, 4, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, seqlen_k, 2, headdim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    properties = {**jit.device_properties(0), "multiProcessorCount": 4}
+    results = []
+    for loads, per_sm in ((quantize_fp8.LOAD_STAGED, properties["sharedMemPerMultiprocessor"]),
+                          (quantize_fp8.LOAD_VECTORS, 0)):
+        monkeypatch.setattr(jit, "device_properties",
+                            lambda index: {**properties, "sharedMemPerMultiprocessor": per_sm})
+        dispatch.clear_plans()
+        assert quantize_fp8.select_loads(0, True, reference.FP8_BLOCK, 256) == loads
+        out, lse = cuflash.attention(q, k, v, fp8=True, hadamard=headdim in (64, 128, 256), causal=True,
+                                     return_lse=True)
+        results.append((out.clone(), lse.clone()))
+    dispatch.clear_plans()
+    assert torch.isfinite(results[0][0]).all()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@hopper_only
 def test_fp8_true_runs_on_the_gpu_close_to_bf16_attention():
     """attention(..., fp8=True) quantizes and runs the FP8 kernel: out in q's dtype, close to the
     bf16 kernel's (the FP8 error budget), through the public API and its checks."""

@@ -58,11 +58,11 @@ def ctas_per_sm(block_rows: int, headdim: int) -> int:
 
 
 def staged_bytes(block_rows: int, headdim: int) -> int:
-    """quantize_fp8's shared memory with LOAD_STAGED: STAGES items of x."""
+    """Either kernel's shared memory with LOAD_STAGED: STAGES items of x."""
     return STAGES * block_rows * headdim * ELEMENT_BYTES
 
 
-STATIC_SHARED_BYTES = 1024  # at least quantize_fp8's own (warp maxima and sign words: 768 bytes at most)
+STATIC_SHARED_BYTES = 1024  # at least either kernel's own (warp maxima and sign words: 768 bytes at most)
 RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps for each CTA (sm_80 and newer)
 
 
@@ -116,18 +116,22 @@ class QuantizeFp8TransposedVariant(Variant):
     dtype: str
     block_rows: int  # keys per descale (reference.fp8_key_block)
     headdim: int  # compiled
-    vector_loads: bool  # V's rows are 16-byte aligned: an 8-byte load per key and four columns
+    loads: int  # as QuantizeFp8Variant's (LOAD_VECTORS: an 8-byte load per key and four columns)
 
     def check(self) -> None:
-        QuantizeFp8Variant(self.dtype, self.block_rows, self.headdim, False, LOAD_ELEMENTS).check()
+        QuantizeFp8Variant(self.dtype, self.block_rows, self.headdim, False, self.loads).check()
 
     def template_args(self) -> tuple[str, ...]:
-        return CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.vector_loads)
+        return CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), str(self.loads)
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        return staged_bytes(self.block_rows, self.headdim) if self.loads == LOAD_STAGED else 0
 
 
-TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, block_rows, headdim, vector_loads)
+TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, block_rows, headdim, loads)
                             for dtype in sorted(CXX_TYPES) for block_rows, headdim in BLOCK_ROWS
-                            for vector_loads in (True, False))
+                            for loads in (LOAD_STAGED, LOAD_VECTORS, LOAD_ELEMENTS))
 
 
 def _compiled_headdim(headdim: int) -> int:
@@ -144,15 +148,17 @@ def select(problem, inputs) -> QuantizeFp8Variant:
                          f"got {problem.headdim}")
     rows = problem.fp8_block or reference.FP8_BLOCK
     variant = QuantizeFp8Variant(problem.dtype, rows, headdim, hadamard,
-                                 _loads(problem.device.index, rows_aligned(inputs["x"], ELEMENT_BYTES), rows, headdim))
+                                 select_loads(problem.device.index, rows_aligned(inputs["x"], ELEMENT_BYTES), rows,
+                                              headdim))
     variant.check()  # (blocks of 192 rows: attention(fp8=True)'s k and v, at the head dims that take them)
     return variant
 
 
-def _loads(device_index: int, aligned: bool, block_rows: int, headdim: int) -> int:
-    """LOAD_STAGED where x's rows are 16-byte aligned and the staged items of as many CTAs as the
-    launch bounds ask fit an SM's shared memory (an sm_90's 228 KiB: every compiled block; 100 KiB
-    on sm_89 and sm_120: 192-row blocks only), else LOAD_VECTORS or, unaligned, LOAD_ELEMENTS."""
+def select_loads(device_index: int, aligned: bool, block_rows: int, headdim: int) -> int:
+    """Either kernel's loads: LOAD_STAGED where x's rows are 16-byte aligned and the staged items of
+    as many CTAs as the launch bounds ask fit an SM's shared memory (an sm_90's 228 KiB: every
+    compiled block; 100 KiB on sm_89 and sm_120: 192-row blocks only), else LOAD_VECTORS or,
+    unaligned, LOAD_ELEMENTS."""
     if not aligned:
         return LOAD_ELEMENTS
     properties = jit.device_properties(device_index)
@@ -269,7 +275,8 @@ def prepare_transposed(variant: QuantizeFp8TransposedVariant, function, device_i
                                x_stride_s=v.strides[1], x_stride_h=v.strides[2], x8_stride_b=vt.strides[0],
                                x8_stride_s=vt.strides[2], x8_stride_h=vt.strides[1], items_per_cta=per_cta,
                                **{"pass": BLOCK_SCALES})
-    launch_params = _launcher(function, grid, (threads(variant.block_rows, variant.headdim),), 0, dependent)
+    launch_params = _launcher(function, grid, (threads(variant.block_rows, variant.headdim),),
+                              variant.dynamic_shared_bytes, dependent)
 
     def launch(v, vt, descale, stream) -> None:
         params = bytearray(template)

@@ -127,9 +127,10 @@ def prepare(variant: fwd_sm90.FwdSm90Variant, function, problem, inputs, outputs
                         launch({"x": inputs[name]}, _quantized(outputs, name), stream))
     if variant.v_pretransposed:
         headdim = compiled_headdim(problem.headdim, quantize_fp8.HEADDIMS)
+        aligned = rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES)
         quantizer = quantize_fp8.QuantizeFp8TransposedVariant(
             problem.dtype, _key_block(problem), headdim,
-            rows_aligned(inputs["v"], quantize_fp8.ELEMENT_BYTES))
+            quantize_fp8.select_loads(index, aligned, _key_block(problem), headdim))
         launch_v = quantize_fp8.prepare_transposed(quantizer, jit.get_function(quantizer, index), index, problem.batch,
                                                    problem.seqlen_k, problem.nheads_kv, problem.headdim, inputs["v"],
                                                    outputs["v_transposed"], dependent=True)
