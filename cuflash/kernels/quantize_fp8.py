@@ -62,6 +62,11 @@ def staged_bytes(block_rows: int, headdim: int) -> int:
     return STAGES * block_rows * headdim * ELEMENT_BYTES
 
 
+def _dynamic_shared_bytes(variant) -> int:
+    """Variant.dynamic_shared_bytes of either kernel's variants."""
+    return staged_bytes(variant.block_rows, variant.headdim) if variant.loads == LOAD_STAGED else 0
+
+
 STATIC_SHARED_BYTES = 1024  # at least either kernel's own (warp maxima and sign words: 768 bytes at most)
 RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps for each CTA (sm_80 and newer)
 
@@ -93,9 +98,7 @@ class QuantizeFp8Variant(Variant):
         return (CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), cxx_bool(self.hadamard),
                 str(self.loads))
 
-    @property
-    def dynamic_shared_bytes(self) -> int:
-        return staged_bytes(self.block_rows, self.headdim) if self.loads == LOAD_STAGED else 0
+    dynamic_shared_bytes = property(_dynamic_shared_bytes)
 
 
 VARIANTS = tuple(QuantizeFp8Variant(dtype, block_rows, headdim, hadamard, loads) for dtype in sorted(CXX_TYPES)
@@ -124,9 +127,7 @@ class QuantizeFp8TransposedVariant(Variant):
     def template_args(self) -> tuple[str, ...]:
         return CXX_TYPES[self.dtype], str(self.block_rows), str(self.headdim), str(self.loads)
 
-    @property
-    def dynamic_shared_bytes(self) -> int:
-        return staged_bytes(self.block_rows, self.headdim) if self.loads == LOAD_STAGED else 0
+    dynamic_shared_bytes = property(_dynamic_shared_bytes)
 
 
 TRANSPOSED_VARIANTS = tuple(QuantizeFp8TransposedVariant(dtype, block_rows, headdim, loads)
@@ -157,7 +158,7 @@ def select(problem, inputs) -> QuantizeFp8Variant:
 def select_loads(device_index: int, aligned: bool, block_rows: int, headdim: int) -> int:
     """Either kernel's loads: LOAD_STAGED where x's rows are 16-byte aligned and the staged items of
     as many CTAs as the launch bounds ask fit an SM's shared memory (an sm_90's 228 KiB: every
-    compiled block; 100 KiB on sm_89 and sm_120: 192-row blocks only), else LOAD_VECTORS or,
+    compiled block; sm_89's 100 KiB: 192-row blocks only), else LOAD_VECTORS or,
     unaligned, LOAD_ELEMENTS."""
     if not aligned:
         return LOAD_ELEMENTS
@@ -244,7 +245,8 @@ def prepare(variant: QuantizeFp8Variant, function, problem, inputs, outputs, dep
     block_dim = (threads(rows, variant.headdim),)
     waits = jit.device_compute_capability(problem.device.index) >= (9, 0)  # griddepcontrol is sm_90's
     launches = [(PARAMS.template(**fields, **{"pass": p}),
-                 _launcher(function, grid, block_dim, variant.dynamic_shared_bytes, dependent or (waits and i > 0)))
+                 _launcher(function, grid, block_dim, 0 if p == HEAD_SCALE else variant.dynamic_shared_bytes,
+                           dependent or (waits and i > 0)))  # (HEAD_SCALE reads no x)
                 for i, (p, grid) in enumerate(passes)]
     written = ("x8", "descale") + (() if problem.fp8_block else ("block_amax",))
 
