@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import reference
 from .arrays import Device
 
 # The operations cuflash runs. Each backend (the NumPy reference, or a kernel family) names the
@@ -65,6 +66,13 @@ class Problem:
     @property
     def varlen(self) -> bool:
         return self.op.startswith("attention_varlen")
+
+    @property
+    def wide_key_blocks(self) -> bool:
+        """attention_fp8_forward: k's and v's descales are per reference.FP8_WIDE_KEY_BLOCK keys, which
+        only the FP8 kernel's rows of that key block take (not its split variants, nor query heads
+        as rows)."""
+        return self.op == "attention_fp8_forward" and self.fp8_block == reference.FP8_WIDE_KEY_BLOCK
 
     @property
     def features(self) -> dict:

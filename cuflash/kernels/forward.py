@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .. import reference
-
 HEADDIM_ALIGN = 8  # one 16-byte chunk: the unit of loads, stores and zero fill
 ELEMENT_BYTES = 2  # fp16 / bf16
 LOG2E = 1.0 / math.log(2.0)
@@ -96,7 +94,7 @@ def query_heads_as_rows(problem):
     per 192 rows: its split variants, which such problems run, take blocks of 128 keys."""
     group = problem.nheads // max(problem.nheads_kv, 1)
     if (problem.op not in ("attention_forward", "attention_fp8_forward") or problem.seqlen_q != 1 or group == 1
-            or not sees_every_key(problem) or problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK):
+            or not sees_every_key(problem) or problem.wide_key_blocks):
         return None
     return dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_kv, causal=False, window_left=-1,
                                window_right=-1, q_descale_per_row=problem.op == "attention_fp8_forward")

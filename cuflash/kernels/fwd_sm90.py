@@ -548,7 +548,7 @@ def split_parts(problem) -> int | None:
     it. FP8 decode steps with query heads as rows (q's descales one a row, which only the split
     variants read) run split, in one part if need be; FP8 with k and v descales per 192 rows never
     (the split variants take blocks of 128 keys)."""
-    if problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK:
+    if problem.wide_key_blocks:
         return None
     parts = kv_splits(problem)
     return parts if parts > 1 or problem.q_descale_per_row else None
@@ -759,7 +759,7 @@ def fp8_tiles(problem) -> tuple[int, int, int, str, str, bool]:
     forced = fp8_forced_row(headdim)
     if forced is not None:
         return forced
-    if problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK:  # k's and v's descales per block of its keys
+    if problem.wide_key_blocks:  # k's and v's descales per block of its keys
         return FP8_PER_HEAD_TILES[headdim]
     rows = FP8_TILES[headdim]
     short_keys = FP8_SHORT_KEYS_PRETRANSPOSED.get(headdim)
@@ -869,9 +869,9 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
                           problem.with_lse, kv_per_head)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         # (with 192-row k and v descales, which only this row takes: elsewhere fp8_tiles gave way)
-        wide = problem.fp8_block == reference.FP8_WIDE_KEY_BLOCK
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch,
-                      f"; k and v per {reference.FP8_BLOCK} rows (kv_block={reference.FP8_BLOCK}) avoid it" if wide else "")
+                      f"; k and v per {reference.FP8_BLOCK} rows (kv_block={reference.FP8_BLOCK}) avoid it"
+                      if problem.wide_key_blocks else "")
     if not variant.v_pretransposed:
         _check_transposed_blocks(variant, problem.seqlen_k)
     check_tile_count("fwd_fp8_sm90", problem, variant)
