@@ -663,9 +663,10 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
     128-row block in one launch, per head in three (block amaxes to a workspace, a CTA per head
     reducing them to its descale, the convert), runs of consecutive (block, head) items a CTA on
     grid x (ITEMS_PER_CTA, or the items spread over one wave where a CTA has its SM to itself or that
-    leaves fewer on the busiest SM), batch on grid y; on sm_90 the second and third launches per head as programmatic
-    dependents of the one before (as the first too with dependent=True, a link of
-    attention(fp8=True)'s chain), on sm_89 ordinary ones; grids that do not fit are refused by name."""
+    leaves fewer on the busiest SM), batch on grid y; on sm_90 the second and third launches per
+    head as programmatic dependents of the one before (as the first too with dependent=True, a link
+    of attention(fp8=True)'s chain), on sm_89 ordinary ones; grids that do not fit are refused by
+    name."""
     from cuflash import driver, jit, kernels
     from cuflash.arrays import Device, DeviceArray
     from cuflash.kernels import quantize_fp8 as quantize
@@ -719,7 +720,7 @@ def test_quantize_fp8_launches_one_or_two_passes_heads_next_to_each_other(monkey
         assert [(int(params["pass"]), grid) for grid, _, params in launches] == passes
         assert dependent == [chained] + [True] * (len(passes) - 1)
         assert all(block == (quantize.threads(128, 128),) == (512,) for _, block, _ in launches)
-        assert shared == [0 if p == quantize.HEAD_SCALE else 2 * 128 * 128 * 2 for p, _ in passes]
+        assert shared == [0 if kind == quantize.HEAD_SCALE else 2 * 128 * 128 * 2 for kind, _ in passes]
         assert variant.dynamic_shared_bytes == 2 * 128 * 128 * 2
         assert all(params["block_amax"] == (0 if p.fp8_block else 4 << 20) and params["descale"] == 3 << 20
                    and params["x"] == 1 << 20 and params["x8"] == 2 << 20 and params["items_per_cta"] == 1
