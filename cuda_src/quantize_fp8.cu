@@ -153,8 +153,8 @@ __device__ __forceinline__ void store_codes(const typename L::Values& v, float d
   }
 }
 
-// Into L2 only. A quantize_fp8_vt CTA takes its items one after the other, prefetching each next
-// one while it converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
+// Into L2 only. Unstaged (kLoadVectors, kLoadElements), a quantize_fp8_vt CTA prefetches each next
+// item while it converts the one before: the loads of a lone item per CTA left DRAM half idle (H100, ncu).
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); }
 
 // Item `item` of a batch entry: block `block` of head `h`, a thread's first row of it (quantize_fp8_vt: key) row0.
