@@ -93,16 +93,14 @@ template <typename T>
 __device__ __forceinline__ void unpack_chunk(uint4 raw, uint4 negate, float (&v)[kChunk]) {
   static_assert(sizeof(T) == 2 && kChunk == 8, "16-bit elements, 16 bytes a chunk");
   const unsigned words[4] = {raw.x ^ negate.x, raw.y ^ negate.y, raw.z ^ negate.z, raw.w ^ negate.w};
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) v[i] = to_float(T{static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)))});
+  words_as_float<T>(words, v);
 }
 
 // A chunk of x at `at` (rows not 16-byte aligned), element by element.
 template <typename T>
 __device__ __forceinline__ uint4 load_chunk_elements(const T* at) {
   unsigned words[4];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) words[w] = at[2 * w].bits | static_cast<unsigned>(at[2 * w + 1].bits) << 16;
+  load_words_elementwise(at, words);
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
@@ -494,20 +492,21 @@ __global__ void __launch_bounds__(quantize_threads(kBlockRows, kHeadDim),
     float v[kKeys][4];  // zeros past the keys and the head dim: they leave the amax as it is; a padding key's code is 0
 #pragma unroll
     for (int k = 0; k < kKeys; ++k, at += p.x_stride_s) {
-      uint2 words = make_uint2(0u, 0u);  // columns col .. col + 3
+      unsigned words[2] = {0u, 0u};  // columns col .. col + 3
       if constexpr (kLoads == kLoadStaged) {
         const int key = first_key + k;
         const uint4* row = staged_rows + j % kStages * kItemChunks + key * kRowChunks;
-        words = reinterpret_cast<const uint2*>(row + ((col / kChunk) ^ swap(key)))[col % kChunk / 4];
+        const uint2 pair = reinterpret_cast<const uint2*>(row + ((col / kChunk) ^ swap(key)))[col % kChunk / 4];
+        words[0] = pair.x, words[1] = pair.y;
       } else if (live && key0 + k < p.seqlen) {
-        words = kLoads == kLoadVectors ? *reinterpret_cast<const uint2*>(at)  // col: a multiple of 4, so 8 bytes
-                                       : make_uint2(at[0].bits | static_cast<unsigned>(at[1].bits) << 16,
-                                                    at[2].bits | static_cast<unsigned>(at[3].bits) << 16);
+        if constexpr (kLoads == kLoadVectors) {  // col: a multiple of 4, so 8 bytes
+          const uint2 pair = *reinterpret_cast<const uint2*>(at);
+          words[0] = pair.x, words[1] = pair.y;
+        } else {
+          load_words_elementwise(at, words);
+        }
       }
-      v[k][0] = to_float(T{static_cast<unsigned short>(words.x & 0xffffu)});
-      v[k][1] = to_float(T{static_cast<unsigned short>(words.x >> 16)});
-      v[k][2] = to_float(T{static_cast<unsigned short>(words.y & 0xffffu)});
-      v[k][3] = to_float(T{static_cast<unsigned short>(words.y >> 16)});
+      words_as_float<T>(words, v[k]);
     }
     // Unstaged, a slot's 64 bytes of a key lie in one line: lane c of the slot prefetches key c's.
     if (kLoads != kLoadStaged && item + 1 < end) {

@@ -65,6 +65,26 @@ __device__ __forceinline__ int fast_div(int n, FastDivisor d) {
   return d.mul ? static_cast<int>(__umulhi(static_cast<unsigned>(n), d.mul) >> d.shift) : n;
 }
 
+// kWords 32-bit words of 16-bit T pairs (the lower half first) as 2 kWords floats.
+template <typename T, int kWords>
+__device__ __forceinline__ void words_as_float(const unsigned (&words)[kWords], float (&f)[2 * kWords]) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    f[2 * i] = to_float(T{static_cast<unsigned short>(words[i] & 0xffffu)});
+    f[2 * i + 1] = to_float(T{static_cast<unsigned short>(words[i] >> 16)});
+  }
+}
+
+// 2 kWords consecutive 16-bit elements at p as kWords words, element by element (p need not be
+// aligned for a wider load).
+template <int kWords, typename T>
+__device__ __forceinline__ void load_words_elementwise(const T* p, unsigned (&words)[kWords]) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) words[i] = p[2 * i].bits | static_cast<unsigned>(p[2 * i + 1].bits) << 16;
+}
+
 // Load kN consecutive 16-bit elements as floats with the widest access kN allows: one 16-byte
 // load for 8 elements (the caller guarantees 16-byte alignment), element-wise otherwise.
 template <int kN, typename T>
@@ -73,11 +93,7 @@ __device__ __forceinline__ void load_as_float(const T* __restrict__ p, float (&f
   if constexpr (kN == 8) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     const unsigned words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = to_float(T{static_cast<unsigned short>(words[i] & 0xffffu)});
-      f[2 * i + 1] = to_float(T{static_cast<unsigned short>(words[i] >> 16)});
-    }
+    words_as_float<T>(words, f);
   } else {
 #pragma unroll
     for (int i = 0; i < kN; ++i) f[i] = to_float(p[i]);
