@@ -252,7 +252,7 @@ __device__ __forceinline__ Tile tile_at(const FwdSm90Params& p, int index) {
 // columns from col0 on, relative to the sequence); scale: each row's log2-domain score scale.
 // Returns each row's O rescale factor in correction. kN is the block's width, or kHalfTop's half.
 template <int kN, bool kSoftcap, int kExpOffset, int kStaleMax, int kMaxChains, bool kIntMax, int kFmaEvery,
-          bool kFmaPairs, int kSAcc>
+          bool kFmaPairs, bool kCodes, int kSAcc>
 __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, int row, int col0, const Tile& t,
                                               int window_left, int window_right, float softcap_exp2_scale,
                                               float softcap, const float (&scale)[2], float (&row_max)[2],
@@ -290,7 +290,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
   for (int hf = 0; hf < 2; ++hf) {
     if constexpr (!kIntMax) block_max[hf] = quad_row_max<kN / 4, kMaxChains>(row_scores(hf));
     // kFmaFactor = kIntMax: beside the integer maxima, ex2_fma's bit add made ptxas serialise the wgmmas
-    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax, kFmaPairs>(
+    correction[hf] = online_softmax_row<kN / 4, kExpOffset, kStaleMax, kFmaEvery, kIntMax, kFmaPairs, kCodes>(
         row_scores(hf), block_max[hf], row_max[hf], row_sum[hf], scale[hf]);
   }
 }
@@ -299,7 +299,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[kSAcc], bool masked, in
 template <typename T, typename TOut, int kHeadDim, int kConsumers, int kBlockN, int kStages, int kConsumerSync,
           int kSchedule, int kOStage, bool kVarlen, bool kSoftcap, bool kPassBy, bool kMasked,
           bool kVPreTransposed, bool kTensorRowSums, int kQBuffers, bool kSplitKV, int kExpOnFma,
-          bool kExpFmaPairs, int kFp8StaleMax>
+          bool kExpFmaPairs, int kFp8StaleMax, bool kExpCodes>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __grid_constant__ FwdSm90Params p) {
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr bool kOverlapPV = kSchedule == kScheduleOverlapPV, kSerial = kSchedule == kScheduleSerial;
@@ -400,6 +400,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // f16x2 arithmetic (ex2x2_fma_f16, accurate enough for the LSE: FP8_LSE_EXP_PAIRS).
   static_assert(kExpOnFma == 0 || kFp8, "measured only in e4m3 (slower in 16 bits)");
   static_assert(!kExpFmaPairs || kExpOnFma > 0, "kExpFmaPairs says how kExpOnFma's exponentials are taken");
+  // kExpCodes (attention_fp8's fast_exp): no exponential at all; P's e4m3 codes straight from the
+  // scores, one FFMA and a clamp each (online_softmax_codes, its error there), packed by byte
+  // permutes. The sums must be of P as coded: P V's columns of ones (kTensorRowSums).
+  static_assert(!kExpCodes || (kFp8 && kTensorRowSums && kExpOnFma == 0),
+                "P's codes without exponentials: e4m3, summed on the tensor cores");
   // kIntMax: the row maxima as three-input integer maxima of the scores' bits (quad_row_max_bits,
   // half the instructions of the FMNMX chain, in kMaxChains chains; block_softmax), bitwise the
   // same results (the outputs compared on every row measured). Measured on H200 against the FMNMX
@@ -907,20 +912,20 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
         const int row = t.m0 + wg * 64 + row_in_wg, col0 = n * kBlockN + 2 * (lane % 4);
         if constexpr (kHalfTop) {
           if (half) {
-            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs>(
-                s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
-                row_sum, correction);
+            block_softmax<kBlockN / 2, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs,
+                          kExpCodes>(s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale,
+                                     p.softcap, scale, row_max, row_sum, correction);
             return;
           }
         }
-        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs>(
-            s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap, scale, row_max,
-            row_sum, correction);
+        block_softmax<kBlockN, kSoftcap, kExpOffset, kStaleMax, kMaxChains, kIntMax, kExpOnFma, kExpFmaPairs,
+                      kExpCodes>(s, masked, row, col0, t, window_left, window_right, p.softcap_exp2_scale, p.softcap,
+                                 scale, row_max, row_sum, correction);
       };
       // P to the A registers of P V. 16 bits: accumulators 8j..8j+7 (columns 16j..16j+15) are those
       // of k16 step j. e4m3: k32 step j takes accumulators 16j..16j+15, four to a register in the
       // order (0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15): rows r, r + 8, r, r + 8,
-      // the key order V^T was written in (kTransposeWarps).
+      // the key order V^T was written in (kTransposeWarps); kExpCodes: their codes' low bytes.
       // With `half` (kHalfTop), P of the block's second half is zero: its softmax did not run there.
       auto pack_p = [&](bool half = false) {
 #pragma unroll
@@ -929,6 +934,10 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           for (int r = 0; r < 4; ++r) {
             if (kHalfTop && half && j >= kPSteps / 2) {
               pa[j][r] = 0u;
+            } else if constexpr (kExpCodes) {
+              const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
+              pa[j][r] = pack4_low_bytes(__float_as_uint(s[a]), __float_as_uint(s[a + 1]), __float_as_uint(s[a + 4]),
+                                         __float_as_uint(s[a + 5]));
             } else if constexpr (kFp8) {
               const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
               pa[j][r] = pack4_e4m3(s[a], s[a + 1], s[a + 4], s[a + 5]);

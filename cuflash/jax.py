@@ -139,18 +139,18 @@ def _attention_bwd(features, deterministic, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention_quantized(q, k, v, features, hadamard, return_lse):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention_quantized(q, k, v, features, hadamard, fast_exp, return_lse):
     """out, or (out, lse): without the LSE the FP8 kernel may sum P's rows on the tensor cores."""
-    return api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard,
+    return api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard, fast_exp=fast_exp,
                          **api._feature_keywords(features))
 
 
-def _attention_quantized_fwd(q, k, v, features, hadamard, return_lse):
-    return _attention_quantized(q, k, v, features, hadamard, return_lse), None
+def _attention_quantized_fwd(q, k, v, features, hadamard, fast_exp, return_lse):
+    return _attention_quantized(q, k, v, features, hadamard, fast_exp, return_lse), None
 
 
-def _attention_quantized_bwd(features, hadamard, return_lse, residuals, cotangents):
+def _attention_quantized_bwd(features, hadamard, fast_exp, return_lse, residuals, cotangents):
     raise ValueError("attention(..., fp8=True) is forward only (no gradient through e4m3 quantization): "
                      "differentiate the 16-bit attention, or wrap the FP8 call in jax.lax.stop_gradient")
 
@@ -159,20 +159,22 @@ _attention_quantized.defvjp(_attention_quantized_fwd, _attention_quantized_bwd)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
-              deterministic=False, fp8=False, hadamard=False):
+              deterministic=False, fp8=False, hadamard=False, fast_exp=False):
     """`cuflash.attention` for JAX arrays, differentiable in q, k and v (jax.grad, jax.jit, jax.vmap;
     see `cuflash.attention` for the semantics). Returns out, or (out, lse) with return_lse=True;
     lse carries no gradient. Like any jax.numpy function it takes NumPy arrays too (as JAX arrays).
     deterministic=True makes the gradient bit-identical from run to run (`attention_backward`).
-    fp8=True (and hadamard) as in `cuflash.attention`: forward only, jax.grad through it refuses."""
+    fp8=True (and hadamard, fast_exp) as in `cuflash.attention`: forward only, jax.grad through it
+    refuses."""
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
-    fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
+    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, deterministic)
+    fast_exp = api._check_fast_exp(fast_exp, return_lse)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
     features = api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
     if fp8 and not return_lse:
-        return _attention_quantized(q, k, v, features, hadamard, False)
-    out, lse = (_attention_quantized(q, k, v, features, hadamard, True) if fp8
+        return _attention_quantized(q, k, v, features, hadamard, fast_exp, False)
+    out, lse = (_attention_quantized(q, k, v, features, hadamard, fast_exp, True) if fp8
                 else _attention(q, k, v, features, deterministic))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 

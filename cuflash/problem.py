@@ -59,6 +59,9 @@ class Problem:
     with_lse: bool = True  # attention_fp8/quantized_forward: lse is an output (without it, P's row sums may be P's as
     # rounded, and some exponentials a quadratic's: fwd_sm90.fp8_variant)
     q_descale_per_row: bool = False  # attention_fp8_forward with query heads as rows (kernels.forward): q_descale one a row
+    # attention_fp8/quantized_forward without the LSE: P's e4m3 codes may come straight from the scores
+    # (fwd_sm90.fp8_variant: no exponential, each weight within 8% of exp's where e4m3 rounds to 6%)
+    fast_exp: bool = False
 
     def __post_init__(self):
         assert self.op in OPS, self.op

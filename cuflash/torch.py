@@ -147,29 +147,30 @@ def _fake_lse(x: torch.Tensor, return_lse: bool) -> torch.Tensor:
 def _attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
                        k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool, softmax_scale: float,
                        window_left: int, window_right: int, out_dtype: torch.dtype, return_lse: bool,
-                       kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       kv_block: int, fast_exp: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _lse_or_empty(api.attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=causal,
                                            softmax_scale=softmax_scale, window=(window_left, window_right),
-                                           out_dtype=out_dtype, return_lse=return_lse, kv_block=kv_block), return_lse)
+                                           out_dtype=out_dtype, return_lse=return_lse, kv_block=kv_block,
+                                           fast_exp=fast_exp), return_lse)
 
 
 @_attention_fp8_fwd.register_fake
 def _(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, out_dtype,
-      return_lse, kv_block):
+      return_lse, kv_block, fast_exp):
     return q8.new_empty(q8.shape, dtype=out_dtype), _fake_lse(q8, return_lse)
 
 
 @torch.library.custom_op("cuflash::attention_quantized_fwd", mutates_args=())
 def _attention_quantized_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                             window_left: int, window_right: int, softcap: float, hadamard: bool,
+                             window_left: int, window_right: int, softcap: float, hadamard: bool, fast_exp: bool,
                              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     features = (causal, softmax_scale, window_left, window_right, softcap)
-    return _lse_or_empty(api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard,
+    return _lse_or_empty(api.attention(q, k, v, return_lse=return_lse, fp8=True, hadamard=hadamard, fast_exp=fast_exp,
                                        **api._feature_keywords(features)), return_lse)
 
 
 @_attention_quantized_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, hadamard, return_lse):
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, hadamard, fast_exp, return_lse):
     return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
@@ -192,19 +193,20 @@ def _features(q, causal, softmax_scale, window, softcap) -> tuple:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
-              deterministic=False, fp8=False, hadamard=False):
+              deterministic=False, fp8=False, hadamard=False, fast_exp=False):
     """`cuflash.attention` for torch tensors, differentiable in q, k and v (see its docstring for the
     semantics). Returns out, or (out, lse) with return_lse=True; lse is not differentiable.
     deterministic=True makes the backward bit-identical from run to run (`attention_backward`).
-    fp8=True (and hadamard) as in `cuflash.attention`: forward only, so q, k and v must not require
-    grad (or grad mode must be off); deterministic does not apply there."""
+    fp8=True (and hadamard, fast_exp) as in `cuflash.attention`: forward only, so q, k and v must not
+    require grad (or grad mode must be off); deterministic does not apply there."""
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
     features = _features(q, causal, softmax_scale, window, softcap)
-    fp8, hadamard = api._fp8_flags(fp8, hadamard, deterministic)
+    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, deterministic)
     if fp8:
         _forward_only("attention(..., fp8=True)", q, k, v)
-        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard, return_lse)
+        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard, api._check_fast_exp(fast_exp, return_lse),
+                                            return_lse)
     else:
         out, lse = _attention_fwd(q, k, v, *features, deterministic)
     return (out, lse) if return_lse else out
@@ -222,9 +224,10 @@ def quantize_fp8(x, *, block=None, hadamard=False, seed=0):
 
 
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, window=(-1, -1), softmax_scale=None,
-                  out_dtype=torch.bfloat16, return_lse=False, kv_block=api.FP8_BLOCK):
+                  out_dtype=torch.bfloat16, return_lse=False, kv_block=api.FP8_BLOCK, fast_exp=False):
     """`cuflash.attention_fp8` as a custom op (traces under torch.compile); forward only."""
     return_lse = api._check_flag("return_lse", return_lse)
+    fast_exp = api._check_fast_exp(fast_exp, return_lse)
     _check_tensor("q8", q8, "attention_fp8")
     _forward_only("attention_fp8", q8, k8, v8, q_descale, k_descale, v_descale)
     causal, softmax_scale, window_left, window_right, _ = _features(q8, causal, softmax_scale, window, 0.0)
@@ -233,7 +236,7 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     out_dtype = getattr(torch, api._dtype_arg("out_dtype", name, api.FP8_OUT_DTYPES))
     kv_block = api.kv_block_rows(kv_block)  # (an int, for the op's schema)
     out, lse = _attention_fp8_fwd(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
-                                  window_right, out_dtype, return_lse, kv_block)
+                                  window_right, out_dtype, return_lse, kv_block, fast_exp)
     return (out, lse) if return_lse else out
 
 

@@ -129,11 +129,13 @@ def test_torch_fp8_ops_fake_implementations_agree_with_the_real_ones():
     (q8, qd), (k8, kd) = ct.quantize_fp8(q, block=128), ct.quantize_fp8(k)
     (w8, wd), (w8k, wdk) = ct.quantize_fp8(wide, block=128), ct.quantize_fp8(wide, block=192)
     for return_lse in (True, False):  # without it, an empty lse
-        for args in ((q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16, return_lse, 128),
-                     (w8, w8k, w8k, wd, wdk, wdk, False, 0.125, -1, -1, torch.bfloat16, return_lse, 192)):
+        fast_exp = not return_lse  # (fast_exp needs return_lse=False)
+        for args in ((q8, k8, k8, qd, kd, kd, True, 0.125, -1, -1, torch.float16, return_lse, 128, fast_exp),
+                     (w8, w8k, w8k, wd, wdk, wdk, False, 0.125, -1, -1, torch.bfloat16, return_lse, 192, False)):
             torch.library.opcheck(ops.attention_fp8_fwd.default, args, test_utils=(
                 "test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
-        torch.library.opcheck(ops.attention_quantized_fwd.default, (q, k, k, True, 0.125, 5, -1, 0.0, True, return_lse))
+        torch.library.opcheck(ops.attention_quantized_fwd.default,
+                              (q, k, k, True, 0.125, 5, -1, 0.0, True, fast_exp, return_lse))
 
 
 def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_name():
@@ -150,6 +152,8 @@ def test_torch_fp8_entry_points_are_forward_only_and_refuse_bad_arguments_by_nam
             ct.attention(q, q, q, fp8=True, deterministic=True)
         with pytest.raises(ValueError, match="^hadamard=True .* needs fp8=True"):
             ct.attention(q, q, q, hadamard=True)
+        with pytest.raises(ValueError, match="^fast_exp=True .* needs return_lse=False"):
+            ct.attention(q, q, q, fp8=True, fast_exp=True, return_lse=True)
         with pytest.raises(ValueError, match="^block must be None"):
             ct.quantize_fp8(q, block=64)
         with pytest.raises(TypeError, match="^block must be None"):  # not cast to 1 by the op's schema
@@ -257,3 +261,5 @@ def test_jax_fp8_true_is_the_plain_functions_forward_and_refuses_grad():
         cj.attention(q, k, v, fp8=True, deterministic=True)
     with pytest.raises(ValueError, match="^hadamard=True .* needs fp8=True"):
         cj.attention(q, k, v, hadamard=True)
+    with pytest.raises(ValueError, match="^fast_exp=True .* needs fp8=True"):
+        cj.attention(q, k, v, fast_exp=True)

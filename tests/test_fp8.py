@@ -292,6 +292,14 @@ def test_fp8_arguments_are_checked_by_name():
         cuflash.quantize_fp8(q8)
     with pytest.raises(ValueError, match="needs fp8=True"):
         cuflash.attention(q, q, q, hadamard=True)
+    with pytest.raises(ValueError, match=r"^fast_exp=True .* needs fp8=True"):
+        cuflash.attention(q, q, q, fast_exp=True)
+    for call in (lambda **kw: cuflash.attention_fp8(q8, q8, q8, qd, qd, qd, **kw),
+                 lambda **kw: cuflash.attention(q, q, q, fp8=True, **kw)):
+        with pytest.raises(ValueError, match=r"^fast_exp=True .* needs return_lse=False"):
+            call(fast_exp=True, return_lse=True)
+        with pytest.raises(TypeError, match="fast_exp must be a bool"):
+            call(fast_exp=1)
     with pytest.raises(ValueError, match="softcap is not supported with fp8=True"):
         cuflash.attention(q, q, q, fp8=True, softcap=5.0)
     with pytest.raises(TypeError, match="fp8=True quantizes float16 or bfloat16"):
@@ -640,6 +648,15 @@ def test_fwd_fp8_sm90_writes_v_transposed_beforehand_where_its_table_says():
         dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), stale_max=3).check()
     with pytest.raises(ValueError, match="exp_fma_pairs says how exp_on_fma's exponentials are taken"):
         dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), exp_fma_pairs=True).check()
+    # fast_exp: P's codes from the scores wherever P is summed on the tensor cores (calls without the
+    # LSE), in place of any exponential, stale maximum kept; not where the sums are fp32.
+    for p, changed in ((problem, None), (long_128, None), (long_64, None), (long_128, blocks)):
+        exact = fwd_sm90.select_fp8(dataclasses.replace(p, with_lse=False), {**inputs(p), **(changed or {})})
+        fast = fwd_sm90.select_fp8(dataclasses.replace(p, with_lse=False, fast_exp=True), {**inputs(p), **(changed or {})})
+        assert exact.tensor_row_sums and fast == dataclasses.replace(exact, exp_codes=True, exp_on_fma=0)
+    assert not fwd_sm90.select_fp8(dataclasses.replace(short_no_lse, fast_exp=True), inputs(short_no_lse)).exp_codes
+    with pytest.raises(ValueError, match="exp_codes .* needs tensor_row_sums"):
+        dataclasses.replace(fwd_sm90.select_fp8(problem, inputs(problem)), exp_codes=True).check()
     with pytest.raises(ValueError, match="exp_on_fma=4: every how many-th exponential .* e4m3 only"):
         fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 2, 128, 2, "pingpong", "overlap", False, False, True,
                                 False, False, exp_on_fma=4).check()
@@ -925,7 +942,10 @@ def test_fwd_quantized_sm90_selects_pre_transposed_rows_and_declares_its_workspa
         assert (variant.consumers, variant.block_n, variant.stages, variant.sync, variant.v_pretransposed) == \
             fwd_sm90.FP8_PER_HEAD_TILES[128][:4] + (True,) and variant.tensor_row_sums
         assert variant.exp_on_fma == fwd_sm90.FP8_EXP_ON_FMA[(128, fwd_sm90.FP8_PER_HEAD_TILES[128])][0]
-        assert variant in fwd_sm90.fp8_variants_for((9, 0))
+        assert variant in fwd_sm90.fp8_variants_for((9, 0)) and not variant.exp_codes
+        fast = quantized_sm90.select(dataclasses.replace(wide, fast_exp=True), inputs(wide))  # P's codes, no exp
+        assert fast == dataclasses.replace(variant, exp_codes=True, exp_on_fma=0)
+        assert fast in fwd_sm90.fp8_variants_for((9, 0))
         assert {name: kernels.workspace(wide)[name] for name in ("q_descale", "k_descale", "v_descale")} == {
             "q_descale": ((2, 4, -(-seqlen_q // 128)), "float32"), "k_descale": ((2, 2, 22), "float32"),
             "v_descale": ((2, 2, 22), "float32")}  # 4100 keys: 21 blocks of 192 and one of 68

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import arrays, dispatch, kernels, reference
 from cuflash.kernels import fwd_sm90
+from cuflash.kernels.forward import heads_as_rows, query_heads_as_rows
 from cuflash.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -52,9 +53,21 @@ def _quantize(x, block: int, hadamard: bool):
     return cuflash.quantize_fp8(x, block=block, hadamard=hadamard, seed=0)
 
 
-def _plain_fp8(q, k, v, kw, out_dtype):
+def _codes(s, m):
+    """P as fast_exp's e4m3 codes (masking.cuh, online_softmax_codes) of float64 scores s, natural
+    units, against each row's maximum m: the codes of round(8 log2 P) with the row's largest at 2^8
+    (its maximum rounded up to an eighth in log2 units, as the kernel's), clamped at 0, decoded."""
+    decoded = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(s.device, torch.float64)
+    top = torch.ceil(8 * m * math.log2(math.e)) / 8
+    code = torch.round(8 * (s * math.log2(math.e) - top)) + 120  # (ties to even, as the kernel's FFMA)
+    return decoded[code.nan_to_num(0.0, neginf=0.0).clamp(0, 126).long()]
+
+
+def _plain_fp8(q, k, v, kw, out_dtype, codes: bool = False):
     """The yardstick: attention of float32 q, k, v with P in e4m3 as described above; reference.
-    forward_p_e4m3 on the GPU, in torch (the hypothesis examples reach 1100 x 1100 scores per head)."""
+    forward_p_e4m3 on the GPU, in torch (the hypothesis examples reach 1100 x 1100 scores per head).
+    codes: P as fast_exp's codes instead (_codes), divided by their sum, as the kernel's tensor-core
+    row sums do."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
     left, right = reference.window_bounds(kw["causal"], kw["window"])
@@ -65,9 +78,13 @@ def _plain_fp8(q, k, v, kw, out_dtype):
     s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
     s = s.masked_fill(~gpu_attention.visible(seqlen_q, seqlen_k, left, right, q.device), float("-inf"))
     m = s.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-    p = torch.exp(s - m) * 256.0
-    p8 = p.to(torch.float8_e4m3fn).float()
-    total = p.sum(dim=-1, keepdim=True)
+    if codes:
+        p8 = _codes(s.double(), m.double()).float()
+        total = p8.sum(dim=-1, keepdim=True)
+    else:
+        p = torch.exp(s - m) * 256.0
+        p8 = p.to(torch.float8_e4m3fn).float()
+        total = p.sum(dim=-1, keepdim=True)
     out = torch.where(total > 0, torch.matmul(p8, vt) / total, 0.0)
     return out.transpose(1, 2).to(out_dtype)
 
@@ -115,14 +132,15 @@ def _assert_graph_replays_give(call, want):
         assert torch.equal(captured, want)
 
 
-def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK):
+def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK, codes: bool = False):
     """out (and lse, unless None: a call without it) against float64 attention of the dequantized
     inputs (k's and v's block scales per `key_block` rows): out within twice the error of the plain
-    implementation above, lse within its bound."""
+    implementation above (with P as fast_exp's codes where the kernel took them: `codes`), lse within
+    its bound."""
     blocks = (reference.FP8_BLOCK, key_block, key_block)
     q, k, v = (_dequantize(x8, d, block) for (x8, d), block in zip(quantized, blocks))
     ref_out, ref_lse = gpu_attention.attention(q, k, v, compute_dtype=torch.float64, **kw, softcap=0.0)
-    plain = _plain_fp8(q, k, v, kw, out.dtype)
+    plain = _plain_fp8(q, k, v, kw, out.dtype, codes)
     assert not torch.isnan(out).any(), "NaN (or an unwritten, poisoned element) in out"
     scale = kw["softmax_scale"] if kw["softmax_scale"] is not None else 1 / math.sqrt(q.shape[-1])
     group = q.shape[2] // k.shape[2]
@@ -150,6 +168,17 @@ def _check(out, lse, quantized, kw, key_block: int = reference.FP8_BLOCK):
     lse_err = (lse.double() - ref_lse).abs()
     assert (lse_err[~dead] <= bound[~dead]).all(), f"lse error {lse_err[~dead].max().item():.3g}"
     return err, plain_err
+
+
+def _takes_codes(problem, inputs) -> bool:
+    """Whether the kernel dispatch runs `problem` on (as dispatch.launcher plans it: a decode step's
+    query heads as rows) takes P's codes from the scores (fast_exp, where it sums P on the tensor
+    cores)."""
+    device_inputs = {name: arrays.device_array(x) for name, x in inputs.items()}
+    as_rows = query_heads_as_rows(problem)
+    if as_rows:
+        problem, device_inputs = as_rows, heads_as_rows(device_inputs, problem.nheads // problem.nheads_kv)
+    return dispatch.plan(problem, device_inputs)[1].exp_codes
 
 
 def fp8_rows(compiled: int, block: int | None) -> list:
@@ -195,9 +224,9 @@ def features(draw):
        seqlen_k=SEQLENS, nheads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kw=features(),
        block=st.sampled_from([None, 128]), hadamard=st.booleans(),
        out_dtype=st.sampled_from([torch.bfloat16, torch.float16]), row=st.integers(0, 3),
-       with_lse=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       with_lse=st.booleans(), fast_exp=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nheads_kv, group, kw, block, hadamard,
-                                         out_dtype, row, with_lse, seed):
+                                         out_dtype, row, with_lse, fast_exp, seed):
     nheads = nheads_kv * group
     assume(batch * nheads * seqlen_q * seqlen_k <= MAX_SCORES)
     hadamard = hadamard and headdim in (64, 128, 256)  # the GPU quantizer's transform sizes
@@ -207,12 +236,12 @@ def test_fp8_attention_matches_reference(headdim, batch, seqlen_q, seqlen_k, nhe
     k[:, ::7] *= 4  # key blocks with different scales
     v[:, 1::5] *= 3
     quantized, inputs = _quantized_inputs(q, k, v, block, hadamard, seed=3)
-    # (without the LSE: P's row sums may come from the tensor cores)
-    problem = _problem(inputs["q"], inputs["k"], kw, out_dtype, with_lse)
+    # (without the LSE: P's row sums may come from the tensor cores, and with fast_exp P's codes from the scores)
+    problem = _problem(inputs["q"], inputs["k"], kw, out_dtype, with_lse, fast_exp=fast_exp and not with_lse)
     lse_shape = (batch, nheads, seqlen_q) if with_lse else None
     with fp8_row(headdim, row, block):  # which of the head dim's rows (row modulo their number)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, lse_shape, out_dtype)
-        _check(out, lse, quantized, kw)
+        _check(out, lse, quantized, kw, codes=_takes_codes(problem, inputs))
         _assert_same_again(problem, inputs, out, lse)
 
 
@@ -290,33 +319,79 @@ extern "C" __global__ void pairs(const float* x, float* out, int n) {
     assert abs(rel[weighty].mean()) <= 1e-4, rel[weighty].mean()
 
 
+def test_softmax_codes_are_round_8_log2_p_and_within_their_stated_error():
+    """cuda_src/common/masking.cuh's online_softmax_codes with pack4_low_bytes (fast_exp's P, as P V
+    reads it): each score x's code is round(8 (x scale - base) + 56) (ties to even, as the FFMA
+    rounds), clamped at 0 (-inf and NaN too), for base a multiple of 1/8 and codes up to 120; the
+    value it stands for within [2^-1/16, 2^1/16 * 1.0615] of 2^(x scale - base) in e4m3's normal
+    range (rounding 8 log2 to an integer, times 1 + f against 2^f); packed four to a word in order."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import jit
+
+    source = """#include "common/masking.cuh"
+extern "C" __global__ void codes(const float* x, float scale, float base, unsigned* packed, int words) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < words) {
+    float s[4] = {x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]};
+    cuflash::online_softmax_codes<4>([&](int c) -> float& { return s[c]; }, scale, base);
+    packed[i] = cuflash::pack4_low_bytes(__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]),
+                                         __float_as_uint(s[3]));
+  }
+}"""
+    arch = jit.arch_for(jit.device_compute_capability(cupy.cuda.Device().id))
+    kernel = cupy.RawModule(code=source, options=jit.compile_options(arch)).get_function("codes")
+    decoded = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    # scales of few mantissa bits, so that y = x scale - base is exact in float64 (powers of two:
+    # y on a grid of 1/64, with ties); bases of eighths near 0 and far (the FFMA's addend still exact)
+    for scale, base in ((0.125, 0.0), (181 / 2048, -3.375), (1.0, 1000.125), (0.0625, -5000.5)):
+        x = ((np.arange(-30 * 64, 8 * 64 + 1) / 64 + base) / scale).astype(np.float32)  # y over [-30, 8]
+        y = x.astype(np.float64) * scale - base
+        x, y = x[y <= 8], y[y <= 8]  # (codes up to 120)
+        x = np.concatenate([x, np.float32([-np.inf, np.nan, -1e30])])
+        x = np.concatenate([x, np.full(-x.size % 4, -np.inf, np.float32)])  # (whole words)
+        packed = cupy.zeros(x.size // 4, np.uint32)
+        kernel(((packed.size + 127) // 128,), (128,), (cupy.asarray(x), np.float32(scale), np.float32(base), packed,
+                                                       np.int32(packed.size)))
+        got = cupy.asnumpy(packed).view(np.uint8)
+        want = np.clip(np.nan_to_num(np.round(8 * (x.astype(np.float64) * scale - base) + 56), nan=0.0, neginf=0.0),
+                       0, 255)
+        assert np.array_equal(got, want.astype(np.uint8)), np.nonzero(got != want)[0][:5]
+        assert got[:y.size].max() <= 120  # (P at most 2^8)
+        normal = got[:y.size] >= 8  # (e4m3's normal range)
+        ratio = decoded[got[:y.size][normal]] / np.exp2(y[normal])
+        assert ratio.min() >= 2 ** (-1 / 16) - 1e-12 and ratio.max() <= 2 ** (1 / 16) * 1.0615, (ratio.min(), ratio.max())
+
+
 @hopper_only
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("with_lse, fast_exp", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("headdim,row,block", EVERY_ROW)
-def test_fp8_every_table_row(headdim, row, block, with_lse, causal):
+def test_fp8_every_table_row(headdim, row, block, with_lse, fast_exp, causal):
     """Each row the kernel may take (fp8_rows) on a shape with ragged tails (keys not a multiple of
     16 or of a block), GQA, causal or not, with per-block and per-head descales, returning the LSE
-    or not (then, at head dims 64 and 128, P's row sums come from the tensor cores and, on
-    FP8_EXP_ON_FMA's rows, some exponentials from the FMA pipe; with it, on FP8_LSE_EXP_PAIRS' rows,
-    some pairs of them in f16x2)."""
+    or not (then, where they fit, P's row sums come from the tensor cores and, on FP8_EXP_ON_FMA's
+    rows, some exponentials from the FMA pipe, or with fast_exp P's codes from the scores; with it,
+    on FP8_LSE_EXP_PAIRS' rows, some pairs of them in f16x2)."""
     g = torch.Generator(device="cuda").manual_seed(headdim + row)
     q = torch.randn(2, 333, 4, headdim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1043, 2, headdim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     quantized, inputs = _quantized_inputs(q, k, v, block)
     kw = dict(causal=causal, window=(-1, -1), softmax_scale=None)
-    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse)
+    problem = _problem(inputs["q"], inputs["k"], kw, torch.bfloat16, with_lse, fast_exp=fast_exp)
     with fp8_row(headdim, row, block):
         _, variant = dispatch.plan(problem, {name: arrays.device_array(x) for name, x in inputs.items()})
         tiles = fp8_rows(headdim, block)[row]
         assert variant.tensor_row_sums == (not with_lse and fwd_sm90.tensor_row_sums_fit(headdim, tiles))
+        assert variant.exp_codes == (fast_exp and variant.tensor_row_sums)
         every = (fwd_sm90.FP8_LSE_EXP_PAIRS if with_lse else fwd_sm90.FP8_EXP_ON_FMA).get((headdim, tiles), (0, 0))
+        if variant.exp_codes:
+            every = (0, 0)  # no exponential
         assert (variant.exp_on_fma, variant.exp_fma_pairs) == (every[causal], with_lse and every[causal] > 0)
         stale = block is None and variant.tensor_row_sums  # (per head, O divided by the sums of P as rounded)
         assert variant.stale_max == (fwd_sm90.FP8_STALE_MAX.get((headdim, tiles), 0) if stale else 0)
         out, lse = gpu_attention.run_poisoned(problem, inputs, q.shape, (2, 4, 333) if with_lse else None,
                                               torch.bfloat16)
-    _check(out, lse, quantized, kw)
+    _check(out, lse, quantized, kw, codes=variant.exp_codes)
 
 
 @hopper_only

@@ -73,7 +73,8 @@ __device__ __forceinline__ float softcap_score(float s, float exp2_scale, float 
 // online_softmax_max: from that, the new running maximum (kept in the log2 domain, scores times
 // scale_log2, so the scale may change from block to block: FP8's per-block descales) and the base of
 // the exponentials; returns the factor by which the row's O accumulators and sum must be rescaled.
-// online_softmax_row: that, then the exponentials in place and the running sum. The exponentials are
+// online_softmax_row: that, then the exponentials in place and the running sum (kCodes: P's e4m3 codes
+// instead, online_softmax_codes, and no sum, with the maximum kept in eighths). The exponentials are
 // those of (score - max) + kExpOffset: at most 2^kExpOffset (FP8 puts P in e4m3, whose normal range
 // starts at 2^-6: an offset of 8 keeps more of P's small values normal); the offset cancels in O /
 // rowsum and row_lse removes it. scale_log2 > 0: the max commutes with the scale.
@@ -131,11 +132,13 @@ __device__ __forceinline__ int quad_row_max_bits(Score&& score) {
 #endif
 
 // block_max: the row's largest score of this block (quad_row_max's, or quad_row_max_bits' read as a float).
-template <int kStaleMax = 0>
+template <int kStaleMax = 0, bool kEighths = false>
 __device__ __forceinline__ float online_softmax_max(float block_max, float& row_max, float scale_log2, float& base) {
   float mx = fmaxf(row_max, block_max * scale_log2);
   // (A row's first key makes mx - row_max = inf; a row with none yet, -inf - -inf = NaN: both move.)
   if (kStaleMax > 0 && mx - row_max <= static_cast<float>(kStaleMax)) mx = row_max;
+  // kEighths (online_softmax_codes): the maximum rounded up to a multiple of 1/8 (a kept one is one)
+  if constexpr (kEighths) mx = ceilf(mx * 8.f) * 0.125f;
   // A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
   base = mx == -infinity() ? 0.f : mx;
   const float correction = ex2(row_max - base);
@@ -176,12 +179,36 @@ __device__ __forceinline__ void online_softmax_exp(Score&& score, float scale_lo
   }
 }
 
+// P's e4m3 codes straight from the scores, for kernels that pack P into e4m3 and sum it on the tensor
+// cores (P as rounded): no exponential. A code is 8 * (e + 7) + m for 2^e * (1 + m / 8), so
+// round(8 * (y + 7)) is the code of 2^y with its mantissa linear in frac(y) (1 + f for 2^f: up to 6%
+// above it, mid-binade) rather than rounded from 2^y, which e4m3 rounds to 2^-4 relative anyway:
+// relative to 2^y, a code's error is at most 7.9% (6% for e4m3's rounding), RMS 3.1% (2.65%), up to
+// one factor common to all that O / rowsum cancels. One FFMA adds 1.5 * 2^23, so that the sum's
+// low mantissa bits hold the rounded code; FMNMX clamps it at 0 (y below -7: 0 where e4m3 would keep
+// subnormals below 2^-6, at most 2^-14 of P's largest; masked -inf and NaN: 0). base a multiple of
+// 1/8 (online_softmax_max's kEighths), so that 8 * base, and the FFMA's addend, are exact integers
+// (exact while |base| < 2^19; beyond, the FFMA's own fmaf(x, scale_log2, -base) has lost as many
+// bits). y at most 8 (P's offset with any stale margin): codes 0 to 120. Each score becomes a float
+// whose bits' lowest byte is its code (pack4_low_bytes).
+template <int kCols, typename Score>
+__device__ __forceinline__ void online_softmax_codes(Score&& score, float scale_log2, float base) {
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
+  const float a = 8.f * scale_log2, b = kShift + (56.f - 8.f * base);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) score(c) = fmaxf(fmaf(score(c), a, b), kShift);
+}
+
 template <int kCols, int kExpOffset = 0, int kStaleMax = 0, int kFmaEvery = 0, bool kFmaFactor = false,
-          bool kFmaPairs = false, typename Score>
+          bool kFmaPairs = false, bool kCodes = false, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score&& score, float block_max, float& row_max, float& row_sum,
                                                     float scale_log2) {
   float m;
-  const float correction = online_softmax_max<kStaleMax>(block_max, row_max, scale_log2, m);
+  const float correction = online_softmax_max<kStaleMax, kCodes>(block_max, row_max, scale_log2, m);
+  if constexpr (kCodes) {  // (no row sum: the caller's tensor cores sum P)
+    online_softmax_codes<kCols>(score, scale_log2, m - kExpOffset);
+    return correction;
+  }
   float sum = 0.f;
   online_softmax_exp<kCols, kFmaEvery, kFmaFactor, kFmaPairs, kExpOffset>(score, scale_log2, m - kExpOffset, sum);
   row_sum = row_sum * correction + sum;

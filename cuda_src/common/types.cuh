@@ -53,6 +53,11 @@ __device__ __forceinline__ unsigned pack4_e4m3(float a, float b, float c, float 
   return static_cast<unsigned>(e4m3x2(b, a)) | (static_cast<unsigned>(e4m3x2(d, c)) << 16);
 }
 
+// The lowest bytes of a, b, c, d (e4m3 codes: online_softmax_codes) in that order from the lowest.
+__device__ __forceinline__ unsigned pack4_low_bytes(unsigned a, unsigned b, unsigned c, unsigned d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
 // n / d for 0 <= n < 2^31 without a division: q = umulhi(n, mul) >> shift with mul = ceil(2^p / d),
 // p = 31 + ceil(log2 d), shift = p - 32 (exact over that range; mul = 0 stands for d = 1). The host
 // computes the pair (cuflash/kernels/__init__.py, fast_divisor); a runtime integer division costs

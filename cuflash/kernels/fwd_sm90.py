@@ -317,6 +317,7 @@ class FwdSm90Variant(Variant):
     exp_on_fma: int = 0  # e4m3: every this many-th exponential of a row on the FMA pipe, 0: none (FP8_EXP_ON_FMA)
     exp_fma_pairs: bool = False  # exp_on_fma counts pairs of columns, each in f16x2 (FP8_LSE_EXP_PAIRS)
     stale_max: int = 0  # e4m3: the running maximum may be up to 2^stale_max stale (FP8_STALE_MAX)
+    exp_codes: bool = False  # e4m3 with tensor_row_sums: P's codes straight from the scores, no exponential (fast_exp)
 
     def check(self) -> None:
         fp8 = self.dtype == FP8
@@ -346,6 +347,9 @@ class FwdSm90Variant(Variant):
                                    and self.sync != "pingpong" and not self.split_kv):
             raise ValueError(f"fwd_sm90: stale_max={self.stale_max} is for e4m3 (below 8) with P's sums on the "
                              "tensor cores, no ping-pong and no split")
+        if self.exp_codes and not (self.tensor_row_sums and self.exp_on_fma == 0):
+            raise ValueError("fwd_sm90: exp_codes (P's e4m3 codes without exponentials) needs tensor_row_sums (the "
+                             "sums of P as coded) and takes no exp_on_fma")
         if self.exp_fma_pairs and not self.exp_on_fma:
             raise ValueError("fwd_sm90: exp_fma_pairs says how exp_on_fma's exponentials are taken: give exp_on_fma")
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
@@ -411,7 +415,8 @@ class FwdSm90Variant(Variant):
                 O_STAGE_CXX[self.o_stage],
                 cxx_bool(self.varlen), cxx_bool(self.softcap), cxx_bool(self.pass_by), cxx_bool(self.masked),
                 cxx_bool(self.v_pretransposed), cxx_bool(self.tensor_row_sums), str(self.q_buffers),
-                cxx_bool(self.split_kv), str(self.exp_on_fma), cxx_bool(self.exp_fma_pairs), str(self.stale_max))
+                cxx_bool(self.split_kv), str(self.exp_on_fma), cxx_bool(self.exp_fma_pairs), str(self.stale_max),
+                cxx_bool(self.exp_codes))
 
 
 @dataclass(frozen=True)
@@ -799,28 +804,31 @@ def tensor_row_sums_fit(headdim: int, tiles: tuple) -> bool:
 
 
 def fp8_variant(out_dtype: str, headdim: int, tiles: tuple, mask: tuple[bool, bool], with_lse: bool,
-                kv_per_head: bool) -> FwdSm90Variant:
+                kv_per_head: bool, fast_exp: bool = False) -> FwdSm90Variant:
     """The e4m3 (whole, not split) variant of this tile row for a call with this (pass_by, masked)
     (mask_fields) that returns the LSE or not, with k and v descales per head or not: without the
     LSE, P's row sums on the tensor cores where they fit (FP8_TENSOR_ROW_SUMS), on the rows
     FP8_EXP_ON_FMA names some exponentials on the FMA pipe, and with per-head descales where
-    FP8_STALE_MAX says a stale running maximum; with it, on FP8_LSE_EXP_PAIRS' rows, some pairs of
-    exponentials on the FMA pipe in f16x2."""
+    FP8_STALE_MAX says a stale running maximum, and with fast_exp (Problem.fast_exp) P's e4m3
+    codes straight from the scores (the kernel's kExpCodes) instead of any exponential; with it, on
+    FP8_LSE_EXP_PAIRS' rows, some pairs of exponentials on the FMA pipe in f16x2."""
     row = (headdim, tuple(tiles))
     exp_on_fma = (FP8_LSE_EXP_PAIRS if with_lse else FP8_EXP_ON_FMA).get(row, (0, 0))[mask[1]]
     sums = not with_lse and tensor_row_sums_fit(headdim, tiles)
     stale_max = FP8_STALE_MAX.get(row, 0) if kv_per_head and sums else 0
+    codes = fast_exp and sums
     return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, *mask, tiles[5], sums,
-                             exp_on_fma=exp_on_fma, exp_fma_pairs=with_lse and exp_on_fma > 0, stale_max=stale_max)
+                             exp_on_fma=0 if codes else exp_on_fma, exp_fma_pairs=with_lse and exp_on_fma > 0,
+                             stale_max=stale_max, exp_codes=codes)
 
 
 def fp8_row_variants(out_dtype: str, headdim: int, tiles: tuple,
                      kv_per_head: tuple[bool, ...] = (True, False)) -> tuple[FwdSm90Variant, ...]:
     """Every fp8_variant of this tile row: masked or not, with the LSE or not, for k and v descales
-    per head or not (of `kv_per_head`'s kinds; once each)."""
-    return tuple(dict.fromkeys(fp8_variant(out_dtype, headdim, tiles, mask, with_lse, per_head)
+    per head or not (of `kv_per_head`'s kinds), with fast_exp or not (once each)."""
+    return tuple(dict.fromkeys(fp8_variant(out_dtype, headdim, tiles, mask, with_lse, per_head, fast_exp)
                                for mask in mask_choices(FP8_PASS_BY, headdim) for with_lse in (True, False)
-                               for per_head in kv_per_head))
+                               for per_head in kv_per_head for fast_exp in (False, True)))
 
 
 def fp8_workspace(problem) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -866,7 +874,7 @@ def select_fp8(problem, inputs) -> FwdSm90Variant:
         raise ValueError(f"fwd_fp8_sm90: blocks of {tiles[1]} keys need k_descale and v_descale per head "
                          f"(batch, nheads_kv) or per {tiles[1]} rows; got descales per {kv_rows} rows")
     variant = fp8_variant(problem.out_dtype, headdim, tiles, mask_fields(FP8_PASS_BY, headdim, problem),
-                          problem.with_lse, kv_per_head)
+                          problem.with_lse, kv_per_head, problem.fast_exp)
     if variant.v_pretransposed:  # V^T is written by a kernel of one block row per (kv head, batch) first
         # (with 192-row k and v descales, which only this row takes: elsewhere fp8_tiles gave way)
         check_grid_yz("fwd_fp8_sm90", problem.nheads_kv, problem.batch,

@@ -102,7 +102,8 @@ def select(problem, inputs) -> fwd_sm90.FwdSm90Variant:
         raise ValueError(f"{FAMILY_NAME} on a row that transposes V in the kernel takes at most "
                          f"{fwd_sm90.FP8_MAX_KEY_BLOCKS * tiles[1]} keys; got seqlen_k {problem.seqlen_k}")
     variant = fwd_sm90.fp8_variant(problem.dtype, headdim, tiles, fwd_sm90.mask_fields(fwd_sm90.FP8_PASS_BY, headdim, fp8),
-                                   problem.with_lse, kv_per_head=False)  # (k and v per block of keys)
+                                   problem.with_lse, kv_per_head=False,  # (k and v per block of keys)
+                                   fast_exp=problem.fast_exp)
     fwd_sm90.check_tile_count(FAMILY_NAME, fp8, variant)
     return variant
 
