@@ -23,7 +23,8 @@ from cuflash.kernels import fwd_sm80, fwd_sm90  # noqa: E402
 def tile_annotation(args):
     """The overridden tile row each cuflash implementation ran with, for the row's `tiles` field."""
     tables = {"cuflash": args.sm90_tiles, "cuflash-sm80": args.tiles, "cuflash-fp8": args.fp8_tiles,
-              "cuflash-fp8-block": args.fp8_tiles, "cuflash-fp8-lse": args.fp8_tiles}
+              "cuflash-fp8-block": args.fp8_tiles, "cuflash-fp8-lse": args.fp8_tiles,
+              "cuflash-fp8-fastexp": args.fp8_tiles}
 
     def annotate(impl: str, config: bench.Config) -> dict:
         table = tables.get(impl)

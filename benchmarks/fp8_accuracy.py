@@ -6,8 +6,10 @@ multiplied by 10 (FlashAttention-3's outlier test), quantized three ways:
   (b) one scale per 128-row block of each head (`quantize_fp8(x, block=128)`),
   (c) (b) with the random-sign Hadamard transform on q and k (`hadamard=True`, one seed for both),
 
-beside cuflash's bf16 attention of the same inputs. Every path starts from the bf16 inputs (what
-`attention(..., fp8=True)` takes); outputs are bf16. On a GPU this is the FP8 kernel as it runs
+beside cuflash's bf16 attention of the same inputs, and on a GPU (c) again with fast_exp=True (P's
+e4m3 codes straight from the scores; (a) / (c) is taken without it). Every path starts from the
+bf16 inputs (what `attention(..., fp8=True)` takes); outputs are bf16. On a GPU this is the FP8
+kernel as it runs
 (P rounded to e4m3 in registers included); without one, torch CPU tensors take the reference
 backend's simulation (P exact), as tests/test_fp8.py's study does.
 
@@ -81,6 +83,9 @@ def study(headdim: int, seqlen: int, device: str, seed: int = 0, parts: bool = F
     errors = {"bf16": rmse(cuflash.attention(q, k, v))}
     for name, ((q8, qd), (k8, kd), (v8, vd)) in quantized.items():
         errors[name] = rmse(cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, out_dtype="bfloat16"))
+    if device == "cuda":  # (the reference computes P exactly, fast_exp or not)
+        (q8, qd), (k8, kd), (v8, vd) = quantized["(c) per 128 rows + Hadamard"]
+        errors["(c) fast_exp"] = rmse(cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, out_dtype="bfloat16", fast_exp=True))
     if parts:  # (c)'s q and k are in the transform's basis, where their scores are q k^T's
         for label, name in (("(a)", "(a) per tensor"), ("(c)", "(c) per 128 rows + Hadamard")):
             (q8, qd), (k8, kd), _ = quantized[name]

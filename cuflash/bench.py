@@ -347,8 +347,9 @@ def implementations(xp, config: Config, backward: bool, extra=(), copies: int = 
     reference), then cuflash and `extra` cuflash variants: "sm80" (the portable forward forced),
     "fp8" (attention_fp8 on inputs quantized beforehand, one scale per head as FlashAttention-3
     times it, and one per 128-row block; per head again returning the LSE, whose kernel sums P's
-    rows in fp32 and takes every exponential on the special-function unit; and attention(fp8=True,
-    hadamard=True), which quantizes q, k and v each call: FP8 end to end; torch arrays only) and
+    rows in fp32 and takes every exponential on the special-function unit; per head with
+    fast_exp=True, P's codes without exponentials; and attention(fp8=True, hadamard=True), which
+    quantizes q, k and v each call: FP8 end to end; torch arrays only) and
     "deterministic" (the backward with deterministic=True). With `copies` > 1 each call cycles
     through that many sets of inputs (input_copies), every implementation starting on the first."""
     g = xp.generator(config.seqlen * config.headdim)
@@ -372,9 +373,12 @@ def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
             impls["cuflash-sm80"] = lambda: cuflash.attention(q, k, v, causal=causal, backend="sm80")
         if "fp8" in extra:
             quantized = {block: [cuflash.quantize_fp8(x, block=block) for x in (q, k, v)] for block in (None, 128)}
-            for name, block, with_lse in (("cuflash-fp8", None, False), ("cuflash-fp8-block", 128, False),
-                                          ("cuflash-fp8-lse", None, True)):
-                impls[name] = functools.partial(_attention_fp8_out, quantized[block], causal, config.dtype, with_lse)
+            for name, block, with_lse, fast_exp in (("cuflash-fp8", None, False, False),
+                                                    ("cuflash-fp8-block", 128, False, False),
+                                                    ("cuflash-fp8-lse", None, True, False),
+                                                    ("cuflash-fp8-fastexp", None, False, True)):
+                impls[name] = functools.partial(_attention_fp8_out, quantized[block], causal, config.dtype, with_lse,
+                                                fast_exp)
             impls["cuflash-fp8-e2e"] = lambda: cuflash.attention(q, k, v, causal=causal, fp8=True, hadamard=True)
         return impls
     dout = xp.randn(shape, config.dtype, g)
@@ -390,13 +394,14 @@ def _implementations_on(xp, config: Config, backward: bool, extra, g) -> dict:
     return impls
 
 
-def _attention_fp8_out(quantized, causal: bool, out_dtype: str, with_lse: bool):
+def _attention_fp8_out(quantized, causal: bool, out_dtype: str, with_lse: bool, fast_exp: bool):
     """attention_fp8 on quantize_fp8's (x8, descale) pairs of q, k and v: its out (for the error
     column; with_lse: the LSE written beside it, then dropped)."""
     import cuflash
 
     (q8, qd), (k8, kd), (v8, vd) = quantized
-    result = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=out_dtype, return_lse=with_lse)
+    result = cuflash.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=out_dtype, return_lse=with_lse,
+                                   fast_exp=fast_exp)
     return result[0] if with_lse else result
 
 

@@ -13,22 +13,24 @@ from pathlib import Path
 # cuflash-deterministic: the backward with deterministic=True, timed beside the default.
 # cuflash-fp8(-block): attention_fp8 on inputs quantized beforehand (per head; per 128-row block).
 # cuflash-fp8-lse: cuflash-fp8 returning the LSE too (its kernel: fp32 row sums, no FMA-pipe exponentials).
+# cuflash-fp8-fastexp: cuflash-fp8 with fast_exp=True (P's e4m3 codes straight from the scores).
 # cuflash-fp8-e2e: attention(fp8=True, hadamard=True), quantizing q, k and v each call.
 # jax-cudnn-fp8: cuDNN's FP8 forward (through JAX, in its process; cuflash.bench._jax_cudnn_fp8).
 PEERS = ("cuflash-sm80", "cuflash-deterministic", "torch-flash", "torch-cudnn", "jax-cudnn", "cuflash-fp8",
-         "cuflash-fp8-block", "cuflash-fp8-lse", "cuflash-fp8-e2e", "jax-cudnn-fp8")
+         "cuflash-fp8-block", "cuflash-fp8-lse", "cuflash-fp8-fastexp", "cuflash-fp8-e2e", "jax-cudnn-fp8")
 # One colour per implementation in every chart (matplotlib's default cycle, then tab20's light blue;
 # an implementation keeps its colour when a column is added).
 COLORS = {"cuflash": "#1f77b4", "cuflash-sm80": "#ff7f0e", "cuflash-deterministic": "#8c564b",
           "torch-flash": "#2ca02c", "torch-cudnn": "#d62728", "jax-cudnn": "#9467bd", "cuflash-fp8": "#e377c2",
           "cuflash-fp8-block": "#7f7f7f", "cuflash-fp8-e2e": "#bcbd22", "jax-cudnn-fp8": "#17becf",
-          "cuflash-fp8-lse": "#aec7e8"}
+          "cuflash-fp8-lse": "#aec7e8", "cuflash-fp8-fastexp": "#ffbb78"}
 LABELS = {"cuflash": "cuflash", "cuflash-sm80": "cuflash, portable kernel (sm80)",
           "cuflash-deterministic": "cuflash, deterministic=True", "torch-flash": "PyTorch SDPA, FlashAttention-2",
           "torch-cudnn": "PyTorch SDPA, cuDNN", "jax-cudnn": "JAX, cuDNN",
           "cuflash-fp8": "cuflash FP8 (e4m3), per-head scales",
           "cuflash-fp8-block": "cuflash FP8 (e4m3), per-128-row scales",
           "cuflash-fp8-lse": "cuflash FP8 (e4m3), per-head scales, returning the LSE",
+          "cuflash-fp8-fastexp": "cuflash FP8 (e4m3), per-head scales, fast_exp=True",
           "cuflash-fp8-e2e": "cuflash FP8 end to end (fp8=True, hadamard=True: quantizing each call)",
           "jax-cudnn-fp8": "JAX, cuDNN FP8 (e4m3), per-tensor scales"}
 PASSES = {"fwd": "Forward", "bwd": "Backward (2.5x the forward's FLOPs)", "decode": "Decode steps"}
@@ -88,6 +90,7 @@ def render(results: list[dict], title: str = "Forward") -> str:
     peers = [p for p in PEERS if any(p in c for c in cells.values())]
     fp8 = "cuflash-fp8" in peers  # then also the FP8 kernel's speed-up over the 16-bit one
     fp8_cudnn = fp8 and "jax-cudnn-fp8" in peers  # and its ratio to cuDNN's FP8 forward
+    fast = "cuflash-fp8-fastexp" in peers  # and fast_exp's over the 16-bit kernel
     out = [f"{title} TFLOPs on {gpu}, {meta['date']} (FA3 sizing: batch*seqlen = {meta['tokens']}, "
            f"nheads*headdim = {meta['hidden']}; median of {meta['reps']} interleaved repetitions"
            + _graph_timing(results)
@@ -98,8 +101,9 @@ def render(results: list[dict], title: str = "Forward") -> str:
               " JAX's programs) of kernels that write bf16 (cuflash) and e4m3 (cuDNN)." if fp8_cudnn else ""),
            "Versions: " + ", ".join(f"{k} {v}" for k, v in _versions(results).items()) + ".", "",
            "| dtype | hdim | causal | seqlen | cuflash | " + " | ".join(peers) + " | cuflash / FA2 | cuflash / cuDNN |"
-           + (" fp8 / cuflash |" if fp8 else "") + (" fp8 / cuDNN fp8 |" if fp8_cudnn else "") + " clock MHz |",
-           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|" + ("---|" if fp8 else "")
+           + (" fp8 / cuflash |" if fp8 else "") + (" fp8 fast_exp / cuflash |" if fast else "")
+           + (" fp8 / cuDNN fp8 |" if fp8_cudnn else "") + " clock MHz |",
+           "|---|---|---|---|---|" + "---|" * len(peers) + "---|---|" + ("---|" if fp8 else "") + ("---|" if fast else "")
            + ("---|" if fp8_cudnn else "") + "---|"]
     for key in sorted(cells):
         c = cells[key]
@@ -111,12 +115,13 @@ def render(results: list[dict], title: str = "Forward") -> str:
         spread = max((r.get("spread_p10_p90") or 0.0) for r in c.values())
         if spread > UNSTEADY_SPREAD:
             flag += f" (unsteady: p10-p90 {spread:.2f} of a median)"
-        fp8_over = lambda name: (f"{c['cuflash-fp8']['tflops'] / c[name]['tflops']:.2f}"
-                                 if "cuflash-fp8" in c and name in c else "-")
+        over = lambda top, name: (f"{c[top]['tflops'] / c[name]['tflops']:.2f}" if top in c and name in c else "-")
         out.append(f"| {key[0]} | {key[1]} | {int(key[2])} | {key[3]} | {tf('cuflash')} | "
                    + " | ".join(tf(p) for p in peers)
                    + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} |"
-                   + (f" {fp8_over('cuflash')} |" if fp8 else "") + (f" {fp8_over('jax-cudnn-fp8')} |" if fp8_cudnn else "")
+                   + (f" {over('cuflash-fp8', 'cuflash')} |" if fp8 else "")
+                   + (f" {over('cuflash-fp8-fastexp', 'cuflash')} |" if fast else "")
+                   + (f" {over('cuflash-fp8', 'jax-cudnn-fp8')} |" if fp8_cudnn else "")
                    + f" {c['cuflash']['sm_clock_mhz'] or '?'}{flag} |")
     return "\n".join(out) + "\n"
 
