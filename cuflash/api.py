@@ -578,9 +578,10 @@ def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     steps, nor head dim 256 up to 512 query rows): one FFMA and a clamp a score, no exponential. A
     code is 8 (e + 7) + m for 2^e (1 + m / 8); rounding 8 log2(P) to an integer gives 2^y with its
     mantissa linear within each binade: each weight within 8% of exp's where e4m3's rounding alone
-    is within 6% (RMS 3.1% against 2.65%). On an H200 such calls run 6-12% faster (head dim 128
-    +10-12%, 64 +10-12%, 256 +4-7%), with out's RMS error against float64 3-6% higher (FP8's
-    outlier study, benchmarks/NOTES-fp8.md, session 53).
+    is within 6% (RMS 3.1% against 2.65%). On an H200 such calls ran 3-15% faster (head dim 128
+    +10-12% from 4k keys, 64 +9-15%, 256 +3-7.5%), with out's RMS error against float64 3-11% higher
+    (FP8's outlier study; benchmarks/results/h200-fwd-fp8-session53.md and
+    h200-fp8-accuracy-session53.md). The reference backend computes P exactly either way.
     """
     return_lse = _check_flag("return_lse", return_lse)
     fast_exp = _check_fast_exp(fast_exp, return_lse)
