@@ -143,14 +143,17 @@ def _feature_keywords(scalars: tuple) -> dict:
     return dict(causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap)
 
 
-def _fp8_flags(fp8: Any, hadamard: Any, fast_exp: Any, deterministic: bool = False) -> tuple[bool, bool, bool]:
-    """attention's fp8, hadamard and fast_exp flags, checked (hadamard and fast_exp only with fp8;
-    the differentiable entry points' deterministic, already a checked flag, only without it)."""
+def _fp8_flags(fp8: Any, hadamard: Any, fast_exp: Any, return_lse: bool,
+               deterministic: bool = False) -> tuple[bool, bool, bool]:
+    """attention's fp8, hadamard and fast_exp flags, checked (hadamard and fast_exp only with fp8,
+    fast_exp only without the LSE: _check_fast_exp; the differentiable entry points' deterministic,
+    already a checked flag, only without fp8)."""
     fp8, hadamard, fast_exp = _check_flag("fp8", fp8), _check_flag("hadamard", hadamard), _check_flag("fast_exp", fast_exp)
     if hadamard and not fp8:
         raise ValueError("hadamard=True transforms q and k before FP8 quantization: it needs fp8=True")
     if fast_exp and not fp8:
         raise ValueError("fast_exp=True is about the FP8 kernel's e4m3 P: it needs fp8=True")
+    _check_fast_exp(fast_exp, return_lse)
     if fp8 and deterministic:
         raise ValueError("deterministic=True is about the backward, and fp8=True has none")
     return fp8, hadamard, fast_exp
@@ -238,11 +241,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     FP8 kernel loads), so CuPy arrays work here too (CuPy has no e4m3 dtype: quantize_fp8 and
     attention_fp8 refuse them). fast_exp=True as in `attention_fp8` (fp8=True, without return_lse).
     """
-    fp8, hadamard, fast_exp = _fp8_flags(fp8, hadamard, fast_exp)
+    return_lse = _check_flag("return_lse", return_lse)
+    fp8, hadamard, fast_exp = _fp8_flags(fp8, hadamard, fast_exp, return_lse)
     if fp8:
         return _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard,
                                     fast_exp)
-    return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v)
     features = (causal, softmax_scale, window, softcap)
 
@@ -631,9 +634,7 @@ def _fp8_outputs(problem: Problem) -> dict:
 def _attention_quantized(q, k, v, causal, softmax_scale, window, softcap, return_lse, backend, hadamard, fast_exp):
     """attention(..., fp8=True): one op (attention_quantized_forward: q, k and v quantized per
     FP8_BLOCK rows, q and k after the transform where asked, then FP8 attention; the e4m3 copies are
-    the launch's own workspace), out in q's dtype."""
-    return_lse = _check_flag("return_lse", return_lse)
-    fast_exp = _check_fast_exp(fast_exp, return_lse)
+    the launch's own workspace), out in q's dtype. Flags checked (attention, _fp8_flags)."""
     named = dict(q=q, k=k, v=v)
 
     def check():

@@ -168,8 +168,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     refuses."""
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
-    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, deterministic)
-    fast_exp = api._check_fast_exp(fast_exp, return_lse)
+    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, return_lse, deterministic)
     q, k, v = (jax.numpy.asarray(x) for x in (q, k, v))
     features = api._feature_scalars(q.shape[-1], causal, softmax_scale, window, softcap)
     if fp8 and not return_lse:

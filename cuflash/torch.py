@@ -202,11 +202,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     return_lse = api._check_flag("return_lse", return_lse)
     deterministic = api._check_flag("deterministic", deterministic)
     features = _features(q, causal, softmax_scale, window, softcap)
-    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, deterministic)
+    fp8, hadamard, fast_exp = api._fp8_flags(fp8, hadamard, fast_exp, return_lse, deterministic)
     if fp8:
         _forward_only("attention(..., fp8=True)", q, k, v)
-        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard, api._check_fast_exp(fast_exp, return_lse),
-                                            return_lse)
+        out, lse = _attention_quantized_fwd(q, k, v, *features, hadamard, fast_exp, return_lse)
     else:
         out, lse = _attention_fwd(q, k, v, *features, deterministic)
     return (out, lse) if return_lse else out
