@@ -19,7 +19,8 @@ same fp16/bf16 inputs:
   P V must) plus 1e-4; lse within 1e-3 plus 2^-11 of the row's largest scaled |q||k| dot product
   (Hopper adds e4m3 products with fewer mantissa bits than fp32). attention(fp8=True) (its own op,
   quantizing inside) the same, against the reference on the inputs as quantize_fp8 quantizes them
-  (its codes and descales, which the op's own quantization reproduces bit for bit).
+  (its codes and descales, which the op's own quantization reproduces bit for bit). Half of either
+  with fast_exp=True (no LSE): the plain attention's P then as the same codes (reference.forward_p_codes).
 """
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
             features["block"] = _draw_fp8_block(rng, headdim)
         elif fp8:
             features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
+        if fp8:
+            features["fast_exp"] = bool(rng.integers(2))
         elif rng.random() < 0.25:
             features["softcap"] = float(rng.choice((5.0, 30.0)))
     if varlen:
@@ -256,25 +259,31 @@ def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
     put, get = _torch_io(case, on_gpu)
     shapes = ((case.batch, case.seqlen_q, case.nheads), (case.batch, case.seqlen_k, case.nheads_kv))
     q, k, v = host(*shapes[0], case.headdim), host(*shapes[1], case.headdim), host(*shapes[1], case.headdim)
-    features = {n: x for n, x in case.features.items() if n not in ("block", "hadamard")}
+    features = {n: x for n, x in case.features.items() if n not in ("block", "hadamard", "fast_exp")}
+    fast_exp = case.features["fast_exp"]  # (then without the LSE)
     if case.op == "attention_quantized_forward":
         hadamard = case.features["hadamard"]
-        out, lse = api.attention(put(q), put(k), put(v), fp8=True, hadamard=hadamard, return_lse=True,
-                                 backend=backend, **features)
+        out, lse = _with_lse(api.attention(put(q), put(k), put(v), fp8=True, hadamard=hadamard, fast_exp=fast_exp,
+                                           return_lse=not fast_exp, backend=backend, **features), fast_exp)
         q, k, v = reference.quantized_inputs(q, k, v, api._FP8_SEED if hadamard else None)
     else:
         block = case.features["block"]  # k's and v's (q's per 128 rows where they are per 192: kv_block)
         wide = block == reference.FP8_WIDE_KEY_BLOCK
         blocks = (reference.FP8_BLOCK if wide else block, block, block)
         quantized = [api.quantize_fp8(put(x), block=b) for x, b in zip((q, k, v), blocks)]
-        out, lse = api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype=case.dtype,
-                                     return_lse=True, kv_block=block if wide else reference.FP8_BLOCK,
-                                     backend=backend, **features)
+        out, lse = _with_lse(api.attention_fp8(*(x8 for x8, _ in quantized), *(d for _, d in quantized),
+                                               out_dtype=case.dtype, return_lse=not fast_exp, fast_exp=fast_exp,
+                                               kv_block=block if wide else reference.FP8_BLOCK, backend=backend,
+                                               **features), fast_exp)
         q, k, v = (reference.dequantize_fp8(get(x8), get(d), b or reference.FP8_BLOCK)
                    for (x8, d), b in zip(quantized, blocks))
     want_out, want_lse = reference.forward(q, k, v, **features)
-    plain = _round(reference.forward_p_e4m3(q, k, v, **features), case.dtype)
+    plain = _round((reference.forward_p_codes if fast_exp else reference.forward_p_e4m3)(q, k, v, **features),
+                   case.dtype)
     err, bound = _max_err(get(out), want_out), 2 * _max_err(plain, want_out) + 1e-4
+    if lse is None:
+        return Outcome(case, err <= bound, f"out err {err:.1e} <= {bound:.1e} (fast_exp: P's codes in the plain FP8 "
+                       "attention too)")
     scale = features.get("softmax_scale") or 1 / np.sqrt(case.headdim)
     dots = np.einsum("bqhd,bkhd->bhqk", np.abs(q), np.repeat(np.abs(k), case.nheads // case.nheads_kv, axis=2))
     lse_bound = 1e-3 + 2.0**-11 * scale * dots.max(axis=-1, initial=0.0)
@@ -283,6 +292,11 @@ def _run_attention_fp8(case: Case, host, on_gpu: bool, backend) -> Outcome:
     lse_ok = np.isfinite(lse_err) and bool((np.abs(get(lse)[live] - want_lse[live]) <= lse_bound[live]).all())
     return Outcome(case, err <= bound and lse_ok, f"out err {err:.1e} <= {bound:.1e}, lse err {lse_err:.1e} "
                    f"(within 1e-3 + 2^-11 scale max|q||k|: {lse_ok})")
+
+
+def _with_lse(result, fast_exp: bool) -> tuple:
+    """(out, lse) of an FP8 call: with fast_exp it returns out only (no LSE: lse None)."""
+    return (result, None) if fast_exp else result
 
 
 def _run_quantize(case: Case, host, on_gpu: bool) -> Outcome:

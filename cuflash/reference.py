@@ -636,6 +636,22 @@ def forward_p_e4m3(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1)
     return _apply_probs(p8, _cast(v, np.float64), p.shape[1])
 
 
+def forward_p_codes(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1)):
+    """forward_p_e4m3 as the FP8 kernel computes it with fast_exp (api.attention_fp8), the yardstick of
+    its error bound: P as the e4m3 codes of round(8 log2 P) (their mantissas linear within each
+    binade), the row's largest at 2^8 with its log2 rounded up to an eighth, codes below 0 clamped to
+    0; out divided by the sum of the codes' values. Rows that see no key give 0. Returns out
+    (B, Sq, H, Dv) in float64."""
+    q, k, v, scale, _ = _prepare(q, k, v, softmax_scale, np.float64)
+    z = _masked_scores(q, k, scale, causal, window, 0.0)[0] * math.log2(math.e)  # (-inf where masked)
+    top = np.ceil(8 * z.max(axis=-1, keepdims=True, initial=-np.inf)) / 8
+    with np.errstate(invalid="ignore"):  # (-inf - -inf in rows without keys: NaN, code 0)
+        code = np.nan_to_num(np.rint(8 * (z - top)) + 120, nan=0.0, neginf=0.0)
+    p = np.arange(127, dtype=np.uint8).view(_e4m3()).astype(np.float64)[np.clip(code, 0, 126).astype(np.int64)]
+    total = p.sum(axis=-1, keepdims=True)
+    return _apply_probs(np.divide(p, total, out=np.zeros_like(p), where=total > 0), v, p.shape[1])
+
+
 def attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
                   window=(-1, -1), kv_block: int = FP8_BLOCK):
     """`forward` on the dequantized inputs, in float64: (out, lse). Block descales: q's per FP8_BLOCK

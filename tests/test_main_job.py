@@ -56,13 +56,17 @@ def test_check_passes_the_reference_itself():
 def test_check_catches_wrong_fp8_attention(monkeypatch, wrong, op, function, feature):
     """The FP8 criteria can fail, in every drawn case of attention_fp8 (per-head descales, per-128-row
     ones, and for k and v at head dims 65-128 per-192-row ones) and of attention(fp8=True) (with the
-    transform and without): out 10% too large (the draws include long rows of small outputs where
-    the e4m3 yardstick's own error reaches 5%: a single head of 674 rows at head dim 128, say), or
-    the lse off by 0.05 (a descale applied twice or missed moves either by much more)."""
+    transform and without; with fast_exp or not): out 10% too large (the draws include long rows of
+    small outputs where the e4m3 yardstick's own error reaches 5%: a single head of 674 rows at head
+    dim 128, say), or the lse off by 0.05 (a descale applied twice or missed moves either by much
+    more; calls with fast_exp have none)."""
     factor = 1.10
     original = getattr(api, function)
 
     def scaled(*args, **kw):
+        if not kw["return_lse"]:  # (fast_exp: out alone)
+            out = original(*args, **kw)
+            return (out.astype(np.float32) * factor).astype(out.dtype)
         out, lse = original(*args, **kw)
         if wrong == "out":
             return (out.astype(np.float32) * factor).astype(out.dtype), lse
@@ -72,6 +76,8 @@ def test_check_catches_wrong_fp8_attention(monkeypatch, wrong, op, function, fea
     cases = [c for seed in range(6) for c in _cases(seed) if c.op == op]
     assert len(cases) >= 6 and {c.features[feature] for c in cases} == (
         {None, 128, 192} if feature == "block" else {False, True})
+    assert {c.features["fast_exp"] for c in cases} == {False, True}
+    cases = [c for c in cases if wrong == "out" or not c.features["fast_exp"]]
     for case in cases:
         outcome = check.run_case(case, np.random.default_rng(0), on_gpu=False)
         assert not outcome.ok, (case.describe(), outcome.detail)
