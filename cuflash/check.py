@@ -104,10 +104,10 @@ def _draw(rng, family, op: str, varlen: bool, deterministic: bool) -> Case:
             features["block"] = _draw_fp8_block(rng, headdim)
         elif fp8:
             features["hadamard"] = headdim in (64, 128, 256) and bool(rng.integers(2))
-        if fp8:
-            features["fast_exp"] = bool(rng.integers(2))
         elif rng.random() < 0.25:
             features["softcap"] = float(rng.choice((5.0, 30.0)))
+        if fp8:
+            features["fast_exp"] = bool(rng.integers(2))
     if varlen:
         lengths = tuple(int(n) for n in rng.integers(1, 400, size=int(rng.integers(2, 5))))
         return Case(family.name, op, dtype, len(lengths), max(lengths), max(lengths), nheads, nheads_kv, headdim,
