@@ -934,13 +934,14 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
           for (int r = 0; r < 4; ++r) {
             if (kHalfTop && half && j >= kPSteps / 2) {
               pa[j][r] = 0u;
-            } else if constexpr (kExpCodes) {
-              const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
-              pa[j][r] = pack4_low_bytes(__float_as_uint(s[a]), __float_as_uint(s[a + 1]), __float_as_uint(s[a + 4]),
-                                         __float_as_uint(s[a + 5]));
             } else if constexpr (kFp8) {
               const int a = 16 * j + 8 * (r / 2) + 2 * (r % 2);
-              pa[j][r] = pack4_e4m3(s[a], s[a + 1], s[a + 4], s[a + 5]);
+              if constexpr (kExpCodes) {
+                pa[j][r] = pack4_low_bytes(__float_as_uint(s[a]), __float_as_uint(s[a + 1]),
+                                           __float_as_uint(s[a + 4]), __float_as_uint(s[a + 5]));
+              } else {
+                pa[j][r] = pack4_e4m3(s[a], s[a + 1], s[a + 4], s[a + 5]);
+              }
             } else {
               pa[j][r] = pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
             }
