@@ -374,7 +374,7 @@ def test_split_kv_parts_follow_the_measured_rules():
         problem = _problem(**{**dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=8, headdim=128), **kw})
         return fwd_sm90.kv_splits(forward.query_heads_as_rows(problem) or problem)
 
-    assert parts(seqlen_k=1024, nheads=32) == 8  # 8 tiles of 4 rows, 8 key blocks of 128: one a part
+    assert parts(seqlen_k=1024, nheads=32) == 16  # 8 tiles of 4 rows, 16 key blocks of 64: one a part
     assert parts(seqlen_k=8192, nheads=64) == 16  # (15 parts of 192-key blocks before SPLIT_TILES)
     assert parts(seqlen_k=32768, nheads=32) == 16
     # whole: fewer than 8 keys a query row per part (1k x 1k at 64, 512 x 512 at 256), or 80% of the SMs in tiles

@@ -500,10 +500,10 @@ class CombineSplitsVariant(Variant):
 # of 9 15.7 / 19.9 (192-key blocks; 8 and 16 parts since SPLIT_TILES), every other decode shape of
 # bench.DECODE_SHAPES in the same parts as with it
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
-# row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its first FP8_TILES row
-# (_fp8_split_row). A causal step of a few rows (speculative decoding's) splits as well, by
-# masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim
-# 128 102 us split against 400 whole.
+# row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its FP8_SPLIT_TILES row, else
+# its first FP8_TILES row (_fp8_split_row). A causal step of a few rows (speculative decoding's)
+# splits as well, by masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32
+# heads on 8 at head dim 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
@@ -592,15 +592,25 @@ def check_split_parts(problem, variant, parts: int) -> None:
     check_tile_count(variant.family, problem, variant, parts)
 
 
-# The unmasked 16-bit split variants' tile row where it is not the longest-key row of TILES: a
-# part's last key block is computed after its bytes have come, while the memory idles for that SM,
-# so narrower blocks shorten each part's tail. Measured at head dim 128 on H100 (decode rows of
-# bench.DECODE_SHAPES, K and V from memory, graphs replayed interleaved, two alternations;
-# benchmarks/NOTES-sm90.md, session 38): 128-key blocks in 2 stages against 192 in 2, 1-4% faster on
-# every split row (batch 1 with 8k keys 21.2 -> 20.3 us, with 32k 54.8-55.0 -> 53.2); in 3 stages 0-2%
-# slower than in 2. The masked ones keep 192 keys: with 128, speculative steps of 4 causal rows ran
-# 3-5% slower at 32k keys and as fast at 8k.
-SPLIT_TILES = {128: TILES[128][0][1]}
+# The unmasked split variants' tile rows where they are not the longest-key row of TILES (16-bit)
+# or the first row of FP8_TILES (e4m3). A part's last key block is computed after its bytes have
+# come, while the memory idles for that SM, so narrower blocks shorten each part's tail. Measured on
+# H100 at head dim 128 (decode rows of bench.DECODE_SHAPES, K and V from memory, graphs replayed
+# interleaved, two alternations; benchmarks/NOTES-sm90.md, session 38): 128-key blocks in 2 stages
+# against 192 in 2, 1-4% faster on every split row; in 3 stages 0-2% slower than in 2. Retuned on
+# H200 (session 54: in-process A/B, then this table against the one before in alternating
+# processes): 16 bits at 128, 64-key blocks in 3 stages 1-5% faster than 128 in 2 on every split row
+# (batch 1 with 8k keys, 64 heads on 8, 17.4 -> 16.8 us; with 32k, 32 on 8, 41.5 -> 40.0), 64 in 2
+# or 4 stages and 80 in 2 or 3 slower; e4m3 at 128 two stages in ping-pong turns up to 5% faster
+# than the first row's three, tile-synchronised (-0.4% to +5% over the rows; batch 1, 8k keys 15.0
+# -> 14.3 us), and at 256 tile-synchronised 2-9% faster than ping-pong (4k keys 22.1 -> 20.3 us).
+# Not taken: 16 bits at 256 in ping-pong turns, 3.5-5% faster with 16k keys but 5% slower with 4k;
+# the masked (speculative steps') variants' rows: at 128, 192 keys in ping-pong turns without
+# overlap_pv were 4-6% faster with 4 causal rows but 1% slower with 8, 128 keys 1-4% faster where
+# H100 had found them 3-5% slower at 32k keys. Head dim 64's one split decode row (the MQA step) was
+# fastest on its longest-key row (benchmarks/NOTES-sm90.md, session 54).
+SPLIT_TILES = {128: (2, 64, 3, "pingpong", "overlap")}
+FP8_SPLIT_TILES = {128: (2, 128, 2, "pingpong", "overlap", False), 256: (2, 128, 2, "tile", "overlap", False)}
 
 
 def _split_row(headdim: int, softcap: bool, masked: bool) -> tuple[int, int, int, str, str]:
@@ -609,9 +619,12 @@ def _split_row(headdim: int, softcap: bool, masked: bool) -> tuple[int, int, int
     return _rows(headdim, softcap)[-1][1]
 
 
-def _fp8_split_row(headdim: int) -> tuple[int, int, int, str, str, bool]:
-    """e4m3's split variants take the head dim's first FP8_TILES row (V transposed in the kernel:
-    a decode step's keys are read once, and a V^T pass would read them again)."""
+def _fp8_split_row(headdim: int, masked: bool) -> tuple[int, int, int, str, str, bool]:
+    """e4m3's split variants take the head dim's FP8_SPLIT_TILES row (unmasked) or else its first
+    FP8_TILES row; V transposed in the kernel either way: a decode step's keys are read once, and a
+    V^T pass would read them again."""
+    if headdim in FP8_SPLIT_TILES and not masked:
+        return FP8_SPLIT_TILES[headdim]
     return FP8_TILES[headdim][0][1]
 
 
@@ -622,7 +635,7 @@ def split_block_m(problem) -> int:
 
 def _split_tiles(problem) -> tuple:
     if problem.op == "attention_fp8_forward":
-        return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS))
+        return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS), not sees_every_key(problem))
     return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0, not sees_every_key(problem))
 
 
@@ -698,7 +711,7 @@ def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]
 
 def _fp8_split_variant(out_dtype: str, headdim: int, masked: bool) -> FwdSm90Variant:
     """The e4m3 split variant of this head dim (masked: split_masked)."""
-    tiles = _fp8_split_row(headdim)
+    tiles = _fp8_split_row(headdim, masked)
     pass_by = FP8_SPLIT_MASKED_PASS_BY[headdim] if masked else FP8_PASS_BY[headdim][False]
     return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, pass_by, masked, tiles[5], False,
                              split_kv=True)
