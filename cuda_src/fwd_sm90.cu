@@ -19,7 +19,8 @@
 //                 on a "full" mbarrier; it refills a slot (or Q) when the consumers arrive on its
 //                 "empty" one. The ring runs on across tiles, so the next tile's K and V load while
 //                 the consumers finish the current one.
-//   warpgroups 1..kConsumers  consumers (2, or 3 where the head dim is small): each owns 64 of
+//   warpgroups 1..kConsumers  consumers (2, or 3 where the head dim is small, or 1 in split-KV
+//                 decode steps, whose few rows one consumer holds): each owns 64 of
 //                 the rows and takes registers (setmaxnreg).
 //                 S = Q K^T is a wgmma with both operands in shared memory (K-major, 128-byte
 //                 swizzle); the online softmax runs on the S accumulators in the log2 domain; P is
@@ -313,6 +314,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // (free three consumers measured 3-10% slower in version 31, before a tile's index travelled
   // with its Q; since then +4-7% at head dim 64 up to 1k keys and -2 to -3% beyond: version 41).
   constexpr bool kPingPong = kConsumerSync == kSyncPingPong, kTileSync = kConsumerSync == kSyncTile;
+  // One consumer: a decode step's split parts, whose few rows one consumer holds (a second one would
+  // only wait for each block and release it: fwd_sm90.py, SPLIT_TILES).
+  static_assert(kConsumers > 1 || (kSplitKV && !kPingPong), "one consumer: split-KV parts, no turns to take");
   using Split = RegisterSplit<kConsumers>;
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),
                 "the registers the launch gives the CTA");

@@ -363,6 +363,39 @@ def test_every_row_sees_every_key_and_such_few_tiles_split():
     assert unmasked.split_kv and not unmasked.masked and masked in fwd_sm90.variants_for((9, 0))
 
 
+def test_split_parts_of_few_rows_take_one_consumer():
+    """Unmasked split parts of at most 64 query rows (few_rows: a decode step, GQA's query heads as
+    rows) run the head dim's one-consumer row, 16-bit and e4m3; more rows, a mask or softcap keep
+    two consumers (a second row block of 64 would read the keys again)."""
+    from cuflash.kernels import fwd_sm90
+
+    def split(**kw):
+        problem = _problem(**{**dict(batch=1, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=8, headdim=128), **kw})
+        problem = forward.query_heads_as_rows(problem) or problem
+        assert fwd_sm90.kv_splits(problem) > 1
+        headdim = problem.headdim if problem.headdim in fwd_sm90.HEADDIMS else 256
+        return fwd_sm90._select_split(problem, headdim, False)
+
+    for headdim in (64, 128, 256):
+        variant = split(headdim=headdim)
+        assert (variant.consumers, variant.sync) == (1, "free")
+        assert (variant.block_n, variant.stages) == fwd_sm90.SPLIT_ONE_CONSUMER_TILES[headdim][1:3]
+        assert variant.block_m == fwd_sm90.split_block_m(forward.query_heads_as_rows(_problem(
+            batch=1, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=8, headdim=headdim))) == 64
+    assert split(seqlen_q=8, nheads_kv=32).consumers == 1  # 8 rows a head, no GQA
+    assert split(seqlen_q=65, nheads=8, nheads_kv=8).consumers == 2  # 65 rows: two consumers' worth
+    assert split(seqlen_q=4, causal=True, window_right=0).consumers == 2  # a speculative step: masked
+    assert split(softcap=5.0).consumers == 2
+    fp8 = dict(op="attention_fp8_forward", dtype="float8_e4m3fn", out_dtype="bfloat16")
+    assert split(**fp8).consumers == 1 and split(**fp8, headdim=256).consumers == 2
+    with pytest.raises(ValueError, match="consumers=1 must be 2 or 3, or 1 for split_kv without ping-pong"):
+        fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 1, 64, 2, "free", "overlap", False, False, True, False,
+                                False)
+    one = fwd_sm90._split_variant("bfloat16", 128, False, False, True)
+    assert one in fwd_sm90.variants_for((9, 0)) and fwd_sm90._split_variant("bfloat16", 128, False, False, False) in \
+        fwd_sm90.variants_for((9, 0))
+
+
 def test_split_kv_parts_follow_the_measured_rules():
     """fwd_sm90.kv_splits on the shapes its rules were measured on (benchmarks/NOTES-sm90.md, "Decode
     shapes"): a part keeps at least SPLIT_KV_KEYS_PER_ROW keys a query row of its tile, and the

@@ -242,6 +242,8 @@ struct RegisterSplit<2> {
   static constexpr int kProducer = 24, kConsumer = 240;
 };
 template <>
+struct RegisterSplit<1> : RegisterSplit<2> {};  // (fwd_sm90's one-consumer split variants: as many a consumer)
+template <>
 struct RegisterSplit<3> {
   static constexpr int kProducer = 32, kConsumer = 160;
 };

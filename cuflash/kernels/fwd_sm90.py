@@ -355,8 +355,9 @@ class FwdSm90Variant(Variant):
         for field, names in (("sync", SYNCS), ("schedule", SCHEDULES)):
             if getattr(self, field) not in names:
                 raise ValueError(f"fwd_sm90: {field} {getattr(self, field)!r} is not one of {names}")
-        if self.consumers not in (2, 3):
-            raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3")
+        if self.consumers not in (1, 2, 3) or (self.consumers == 1 and (not self.split_kv or self.sync == "pingpong")):
+            raise ValueError(f"fwd_sm90: consumers={self.consumers} must be 2 or 3, or 1 for split_kv without "
+                             "ping-pong turns")
         extents = FP8_WGMMA_N if fp8 else WGMMA_N
         if self.block_n not in extents or self.stages < 1:
             raise ValueError(f"fwd_sm90: block_n={self.block_n} must be one of the wgmma extents {extents} and "
@@ -499,9 +500,10 @@ class CombineSplitsVariant(Variant):
 # call instead of 4.3-6.4), it is gone: 1k keys in 6 parts 11.0 / 13.5, 8k keys in 15 parts instead
 # of 9 15.7 / 19.9 (192-key blocks; 8 and 16 parts since SPLIT_TILES), every other decode shape of
 # bench.DECODE_SHAPES in the same parts as with it
-# (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's SPLIT_TILES
-# row, else its longest-key row of TILES (SOFTCAP_TILES), or e4m3 its FP8_SPLIT_TILES row, else
-# its first FP8_TILES row (_fp8_split_row). A causal step of a few rows (speculative decoding's)
+# (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's
+# SPLIT_ONE_CONSUMER_TILES row (at most 64 rows a tile, few_rows) or SPLIT_TILES row, else its
+# longest-key row of TILES (SOFTCAP_TILES), or e4m3 its FP8_SPLIT_ONE_CONSUMER_TILES or
+# FP8_SPLIT_TILES row, else its first FP8_TILES row (_split_row, _fp8_split_row). A causal step of a few rows (speculative decoding's)
 # splits as well, by masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32
 # heads on 8 at head dim 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
@@ -577,9 +579,9 @@ def _select_split(problem, headdim: int, forced: bool) -> FwdSm90Variant | None:
     if parts is None or (forced and not problem.q_descale_per_row):
         return None
     fp8 = problem.op == "attention_fp8_forward"
-    masked = not sees_every_key(problem)
-    variant = (_fp8_split_variant(problem.out_dtype, headdim, masked) if fp8
-               else _split_variant(problem.dtype, headdim, problem.softcap > 0, masked))
+    masked, few = not sees_every_key(problem), few_rows(problem)
+    variant = (_fp8_split_variant(problem.out_dtype, headdim, masked, few) if fp8
+               else _split_variant(problem.dtype, headdim, problem.softcap > 0, masked, few))
     check_split_parts(problem, variant, parts)
     return variant
 
@@ -598,33 +600,56 @@ def check_split_parts(problem, variant, parts: int) -> None:
 # H100 at head dim 128 (decode rows of bench.DECODE_SHAPES, K and V from memory, graphs replayed
 # interleaved, two alternations; benchmarks/NOTES-sm90.md, session 38): 128-key blocks in 2 stages
 # against 192 in 2, 1-4% faster on every split row; in 3 stages 0-2% slower than in 2. Retuned on
-# H200 (session 54: in-process A/B, then this table against the one before in alternating
-# processes): 16 bits at 128, 64-key blocks in 3 stages 1-5% faster than 128 in 2 on every split row
-# (batch 1 with 8k keys, 64 heads on 8, 17.4 -> 16.8 us; with 32k, 32 on 8, 41.5 -> 40.0), 64 in 2
-# or 4 stages and 80 in 2 or 3 slower; e4m3 at 128 two stages in ping-pong turns up to 5% faster
-# than the first row's three, tile-synchronised (-0.4% to +5% over the rows; batch 1, 8k keys 15.0
-# -> 14.3 us), and at 256 tile-synchronised 2-9% faster than ping-pong (4k keys 22.1 -> 20.3 us).
-# Not taken: 16 bits at 256 in ping-pong turns, 3.5-5% faster with 16k keys but 5% slower with 4k;
-# the masked (speculative steps') variants' rows: at 128, 192 keys in ping-pong turns without
-# overlap_pv were 4-6% faster with 4 causal rows but 1% slower with 8, 128 keys 1-4% faster where
-# H100 had found them 3-5% slower at 32k keys. Head dim 64's one split decode row (the MQA step) was
-# fastest on its longest-key row (benchmarks/NOTES-sm90.md, session 54).
+# H200 (session 54, same rows, in-process A/B, then tree against tree in alternating processes):
+# 16 bits at 128, 64-key blocks in 3 stages 1-5% faster than 128 in 2 (64 in 2 or 4 stages and 80 in
+# 2 or 3 slower); e4m3 at 128 two stages in ping-pong turns up to 5% faster than the first row's
+# three, tile-synchronised (-0.4% to +5%), at 256 tile-synchronised 2-9% faster than ping-pong. Not
+# taken: 16 bits at 256 in ping-pong turns (+3.5-5% at 16k keys, -5% at 4k); other rows for the
+# masked (speculative steps') variants (at 128, 192 keys in ping-pong turns without overlap_pv +4-6%
+# with 4 causal rows but -1% with 8; 128 keys +1-4% where H100 had found -3-5% at 32k keys).
+# Since then the decode rows themselves take the one-consumer rows below: these serve split parts of
+# more query rows (up to a row block a head), where they were not measured.
 SPLIT_TILES = {128: (2, 64, 3, "pingpong", "overlap")}
 FP8_SPLIT_TILES = {128: (2, 128, 2, "pingpong", "overlap", False), 256: (2, 128, 2, "tile", "overlap", False)}
+# Unmasked split parts of at most ROWS_PER_CONSUMER query rows (few_rows: a decode step's one row a
+# query head, or GQA's query heads as the rows of their kv head) take one consumer warpgroup, which
+# holds them all, with no turns to take: with two, the second only waited for each block and arrived
+# on its empty barriers. H200 (session 54, in-process A/B over the rows above, two alternations):
+# 16 bits at 128 64 keys x 2 stages +0.7-10% on every split row of one query row (batch 1, 8k keys,
+# 64 heads on 8, 16.6 -> 15.5 us; 1k keys 9.8 -> 8.9; MHA with 32k keys +0.7%), where 3 or 4 stages,
+# 128 or 192 keys and the other schedules ranged 0.92-1.10; at 256 64 x 3 +1-4%; at 64 (the MQA
+# step's 32 rows) 128 x 2 +4%; e4m3 at 128 128 x 2 +13-21% (batch 1, 32k keys, 30.1 -> 25.0 us), at
+# 256 0.96 (not taken). Launched two an SM (__launch_bounds__(256, 2)) with the parts counted for
+# 264 CTAs they were 3-5% slower on the long rows; counted for 132, as fast as one an SM.
+SPLIT_ONE_CONSUMER_TILES = {64: (1, 128, 2, "free", "overlap"), 128: (1, 64, 2, "free", "overlap"),
+                            256: (1, 64, 3, "free", "overlap")}
+FP8_SPLIT_ONE_CONSUMER_TILES = {128: (1, 128, 2, "free", "overlap", False)}
 
 
-def _split_row(headdim: int, softcap: bool, masked: bool) -> tuple[int, int, int, str, str]:
-    if headdim in SPLIT_TILES and not softcap and not masked:
-        return SPLIT_TILES[headdim]
+def few_rows(problem) -> bool:
+    """Whether a tile's query rows fit one consumer warpgroup (a decode step's, GQA's query heads as
+    the rows of their kv head): its unmasked split variant then has one (SPLIT_ONE_CONSUMER_TILES)."""
+    return problem.seqlen_q <= ROWS_PER_CONSUMER
+
+
+def _split_row(headdim: int, softcap: bool, masked: bool, few: bool) -> tuple[int, int, int, str, str]:
+    if not softcap and not masked:
+        if few and headdim in SPLIT_ONE_CONSUMER_TILES:
+            return SPLIT_ONE_CONSUMER_TILES[headdim]
+        if headdim in SPLIT_TILES:
+            return SPLIT_TILES[headdim]
     return _rows(headdim, softcap)[-1][1]
 
 
-def _fp8_split_row(headdim: int, masked: bool) -> tuple[int, int, int, str, str, bool]:
-    """e4m3's split variants take the head dim's FP8_SPLIT_TILES row (unmasked) or else its first
-    FP8_TILES row; V transposed in the kernel either way: a decode step's keys are read once, and a
-    V^T pass would read them again."""
-    if headdim in FP8_SPLIT_TILES and not masked:
-        return FP8_SPLIT_TILES[headdim]
+def _fp8_split_row(headdim: int, masked: bool, few: bool) -> tuple[int, int, int, str, str, bool]:
+    """e4m3's split variants take the head dim's FP8_SPLIT_ONE_CONSUMER_TILES or FP8_SPLIT_TILES row
+    (unmasked) or else its first FP8_TILES row; V transposed in the kernel either way: a decode
+    step's keys are read once, and a V^T pass would read them again."""
+    if not masked:
+        if few and headdim in FP8_SPLIT_ONE_CONSUMER_TILES:
+            return FP8_SPLIT_ONE_CONSUMER_TILES[headdim]
+        if headdim in FP8_SPLIT_TILES:
+            return FP8_SPLIT_TILES[headdim]
     return FP8_TILES[headdim][0][1]
 
 
@@ -635,8 +660,10 @@ def split_block_m(problem) -> int:
 
 def _split_tiles(problem) -> tuple:
     if problem.op == "attention_fp8_forward":
-        return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS), not sees_every_key(problem))
-    return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0, not sees_every_key(problem))
+        return _fp8_split_row(compiled_headdim(problem.headdim, FP8_HEADDIMS), not sees_every_key(problem),
+                              few_rows(problem))
+    return _split_row(compiled_headdim(problem.headdim, HEADDIMS), problem.softcap > 0, not sees_every_key(problem),
+                      few_rows(problem))
 
 
 def _rows(headdim: int, softcap: bool):
@@ -665,8 +692,9 @@ def variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     whole = tuple(FwdSm90Variant(dtype, dtype, hd, *tiles, varlen, softcap, *mask, False) for dtype in sorted(CXX_TYPES)
                   for hd in HEADDIMS for varlen in (False, True) for softcap in (False, True)
                   for _, tiles in _rows(hd, softcap) for mask in mask_choices(PASS_BY, hd))
-    split = tuple(_split_variant(dtype, hd, softcap, masked) for dtype in sorted(CXX_TYPES) for hd in HEADDIMS
-                  for softcap in (False, True) for masked in (False, True))
+    split = tuple(dict.fromkeys(_split_variant(dtype, hd, softcap, masked, few) for dtype in sorted(CXX_TYPES)
+                                for hd in HEADDIMS for softcap in (False, True) for masked in (False, True)
+                                for few in (False, True)))
     return whole + split + tuple(CombineSplitsVariant(dtype) for dtype in sorted(CXX_TYPES))
 
 
@@ -687,11 +715,12 @@ SPLIT_MASKED_PASS_BY = {64: False, 128: False, 192: False, 256: True}
 FP8_SPLIT_MASKED_PASS_BY = {64: True, 128: False, 256: True}
 
 
-def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool) -> FwdSm90Variant:
-    """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked)."""
+def _split_variant(dtype: str, headdim: int, softcap: bool, masked: bool, few: bool) -> FwdSm90Variant:
+    """The split variant of this head dim (unmasked: every row sees every key; masked: split_masked;
+    few: few_rows)."""
     pass_by = SPLIT_MASKED_PASS_BY[headdim] if masked else PASS_BY[headdim][False]
-    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap, masked), False, softcap, pass_by, masked,
-                          False, split_kv=True)
+    return FwdSm90Variant(dtype, dtype, headdim, *_split_row(headdim, softcap, masked, few), False, softcap, pass_by,
+                          masked, False, split_kv=True)
 
 
 def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
@@ -704,14 +733,15 @@ def fp8_tile_rows(headdim: int) -> list[tuple[int, int, int, str, str, bool]]:
 def fp8_variants_for(compute_capability: tuple[int, int]) -> tuple[Variant, ...]:
     attention = tuple(variant for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS for tiles in fp8_tile_rows(hd)
                       for variant in fp8_row_variants(out, hd, tiles))
-    split = tuple(_fp8_split_variant(out, hd, masked) for out in sorted(CXX_TYPES) for hd in FP8_HEADDIMS
-                  for masked in (False, True))  # (their combine_splits is among fwd_sm90's variants)
+    split = tuple(dict.fromkeys(_fp8_split_variant(out, hd, masked, few) for out in sorted(CXX_TYPES)
+                                for hd in FP8_HEADDIMS for masked in (False, True)
+                                for few in (False, True)))  # (their combine_splits is among fwd_sm90's variants)
     return attention + split + ((TransposeVFp8Variant(),) if any(v.v_pretransposed for v in attention) else ())
 
 
-def _fp8_split_variant(out_dtype: str, headdim: int, masked: bool) -> FwdSm90Variant:
-    """The e4m3 split variant of this head dim (masked: split_masked)."""
-    tiles = _fp8_split_row(headdim, masked)
+def _fp8_split_variant(out_dtype: str, headdim: int, masked: bool, few: bool) -> FwdSm90Variant:
+    """The e4m3 split variant of this head dim (masked: split_masked; few: few_rows)."""
+    tiles = _fp8_split_row(headdim, masked, few)
     pass_by = FP8_SPLIT_MASKED_PASS_BY[headdim] if masked else FP8_PASS_BY[headdim][False]
     return FwdFp8Sm90Variant(FP8, out_dtype, headdim, *tiles[:5], False, False, pass_by, masked, tiles[5], False,
                              split_kv=True)
