@@ -373,8 +373,7 @@ def test_split_parts_of_few_rows_take_one_consumer():
         problem = _problem(**{**dict(batch=1, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=8, headdim=128), **kw})
         problem = forward.query_heads_as_rows(problem) or problem
         assert fwd_sm90.kv_splits(problem) > 1
-        headdim = problem.headdim if problem.headdim in fwd_sm90.HEADDIMS else 256
-        return fwd_sm90._select_split(problem, headdim, False)
+        return fwd_sm90._select_split(problem, problem.headdim, False)
 
     for headdim in (64, 128, 256):
         variant = split(headdim=headdim)
@@ -391,9 +390,8 @@ def test_split_parts_of_few_rows_take_one_consumer():
     with pytest.raises(ValueError, match="consumers=1 must be 2 or 3, or 1 for split_kv without ping-pong"):
         fwd_sm90.FwdSm90Variant("bfloat16", "bfloat16", 128, 1, 64, 2, "free", "overlap", False, False, True, False,
                                 False)
-    one = fwd_sm90._split_variant("bfloat16", 128, False, False, True)
-    assert one in fwd_sm90.variants_for((9, 0)) and fwd_sm90._split_variant("bfloat16", 128, False, False, False) in \
-        fwd_sm90.variants_for((9, 0))
+    compiled = fwd_sm90.variants_for((9, 0))
+    assert all(fwd_sm90._split_variant("bfloat16", 128, False, False, few) in compiled for few in (False, True))
 
 
 def test_split_kv_parts_follow_the_measured_rules():

@@ -503,9 +503,9 @@ class CombineSplitsVariant(Variant):
 # (benchmarks/NOTES-sm90.md, "Decode shapes"). The split variants take the head dim's
 # SPLIT_ONE_CONSUMER_TILES row (at most 64 rows a tile, few_rows) or SPLIT_TILES row, else its
 # longest-key row of TILES (SOFTCAP_TILES), or e4m3 its FP8_SPLIT_ONE_CONSUMER_TILES or
-# FP8_SPLIT_TILES row, else its first FP8_TILES row (_split_row, _fp8_split_row). A causal step of a few rows (speculative decoding's)
-# splits as well, by masked split variants (split_masked): batch 1, 4 causal rows, 32k keys, 32
-# heads on 8 at head dim 128 102 us split against 400 whole.
+# FP8_SPLIT_TILES row, else its first FP8_TILES row (_split_row, _fp8_split_row). A causal step of
+# a few rows (speculative decoding's) splits as well, by masked split variants (split_masked):
+# batch 1, 4 causal rows, 32k keys, 32 heads on 8 at head dim 128 102 us split against 400 whole.
 SPLIT_KV_SMS = 132
 SPLIT_KV_MAX = 128
 SPLIT_KV_FILL = 0.95
