@@ -242,7 +242,9 @@ struct RegisterSplit<2> {
   static constexpr int kProducer = 24, kConsumer = 240;
 };
 template <>
-struct RegisterSplit<1> : RegisterSplit<2> {};  // (fwd_sm90's one-consumer split variants: as many a consumer)
+struct RegisterSplit<1> {  // (fwd_sm90's one-consumer split variants: a consumer as many as with two)
+  static constexpr int kProducer = 24, kConsumer = 240;
+};
 template <>
 struct RegisterSplit<3> {
   static constexpr int kProducer = 32, kConsumer = 160;

@@ -594,33 +594,35 @@ def check_split_parts(problem, variant, parts: int) -> None:
     check_tile_count(variant.family, problem, variant, parts)
 
 
-# The unmasked split variants' tile rows where they are not the longest-key row of TILES (16-bit)
-# or the first row of FP8_TILES (e4m3). A part's last key block is computed after its bytes have
-# come, while the memory idles for that SM, so narrower blocks shorten each part's tail. Measured on
-# H100 at head dim 128 (decode rows of bench.DECODE_SHAPES, K and V from memory, graphs replayed
+# The unmasked split variants' tile rows where they are not the longest-key row of TILES (16-bit) or
+# the first row of FP8_TILES (e4m3). A part's last key block is computed after its bytes have come,
+# while the memory idles for that SM, so narrower blocks shorten each part's tail. Measured on H100
+# at head dim 128 (decode rows of bench.DECODE_SHAPES, K and V from memory, graphs replayed
 # interleaved, two alternations; benchmarks/NOTES-sm90.md, session 38): 128-key blocks in 2 stages
 # against 192 in 2, 1-4% faster on every split row; in 3 stages 0-2% slower than in 2. Retuned on
-# H200 (session 54, same rows, in-process A/B, then tree against tree in alternating processes):
-# 16 bits at 128, 64-key blocks in 3 stages 1-5% faster than 128 in 2 (64 in 2 or 4 stages and 80 in
-# 2 or 3 slower); e4m3 at 128 two stages in ping-pong turns up to 5% faster than the first row's
-# three, tile-synchronised (-0.4% to +5%), at 256 tile-synchronised 2-9% faster than ping-pong. Not
-# taken: 16 bits at 256 in ping-pong turns (+3.5-5% at 16k keys, -5% at 4k); other rows for the
-# masked (speculative steps') variants (at 128, 192 keys in ping-pong turns without overlap_pv +4-6%
-# with 4 causal rows but -1% with 8; 128 keys +1-4% where H100 had found -3-5% at 32k keys).
-# Since then the decode rows themselves take the one-consumer rows below: these serve split parts of
-# more query rows (up to a row block a head), where they were not measured.
+# H200 (session 54, same rows, in-process A/B, then tree against tree in alternating processes): 16
+# bits at 128, 64-key blocks in 3 stages 1-5% faster than 128 in 2 (64 in 2 or 4 stages and 80 in 2
+# or 3 slower); e4m3 at 256 tile-synchronised 2-9% faster than ping-pong. Not taken: e4m3 at 128 two
+# stages in ping-pong turns (-0.4% to +5% over the first row's three, tile-synchronised, but 41 R2UR
+# in its main loop, test_kernels_offline's bound 16, and the rows of one query row, where it paid,
+# since take the one-consumer row); 16 bits at 256 in ping-pong turns (+3.5-5% at 16k keys, -5% at
+# 4k); other rows for the masked (speculative steps') variants (at 128, 192 keys in ping-pong turns
+# without overlap_pv +4-6% with 4 causal rows but -1% with 8; 128 keys +1-4% where H100 had found
+# -3-5% at 32k keys). Since then the decode rows themselves take the one-consumer rows below: these
+# serve split parts of more query rows (up to a row block a head), where they were not measured.
 SPLIT_TILES = {128: (2, 64, 3, "pingpong", "overlap")}
-FP8_SPLIT_TILES = {128: (2, 128, 2, "pingpong", "overlap", False), 256: (2, 128, 2, "tile", "overlap", False)}
+FP8_SPLIT_TILES = {256: (2, 128, 2, "tile", "overlap", False)}
 # Unmasked split parts of at most ROWS_PER_CONSUMER query rows (few_rows: a decode step's one row a
 # query head, or GQA's query heads as the rows of their kv head) take one consumer warpgroup, which
 # holds them all, with no turns to take: with two, the second only waited for each block and arrived
-# on its empty barriers. H200 (session 54, in-process A/B over the rows above, two alternations):
-# 16 bits at 128 64 keys x 2 stages +0.7-10% on every split row of one query row (batch 1, 8k keys,
-# 64 heads on 8, 16.6 -> 15.5 us; 1k keys 9.8 -> 8.9; MHA with 32k keys +0.7%), where 3 or 4 stages,
+# on its empty barriers. H200 (session 54, in-process A/B over the rows above, two alternations): 16
+# bits at 128 64 keys x 2 stages +0.7-10% on every split row of one query row (batch 1, 8k keys, 64
+# heads on 8, 16.6 -> 15.5 us; 1k keys 9.8 -> 8.9; MHA with 32k keys +0.7%), where 3 or 4 stages,
 # 128 or 192 keys and the other schedules ranged 0.92-1.10; at 256 64 x 3 +1-4%; at 64 (the MQA
-# step's 32 rows) 128 x 2 +4%; e4m3 at 128 128 x 2 +13-21% (batch 1, 32k keys, 30.1 -> 25.0 us), at
-# 256 0.96 (not taken). Launched two an SM (__launch_bounds__(256, 2)) with the parts counted for
-# 264 CTAs they were 3-5% slower on the long rows; counted for 132, as fast as one an SM.
+# step's 32 rows) 128 x 2 +4%; e4m3 at 128 128 x 2 +13-21% over two consumers in ping-pong turns
+# (batch 1, 32k keys, 30.1 -> 25.0 us), +20-27% over the first FP8_TILES row; at 256 0.96 (not
+# taken). Launched two an SM (__launch_bounds__(256, 2)) with the parts counted for 264 CTAs they
+# were 3-5% slower on the long rows; counted for 132, as fast as one an SM.
 SPLIT_ONE_CONSUMER_TILES = {64: (1, 128, 2, "free", "overlap"), 128: (1, 64, 2, "free", "overlap"),
                             256: (1, 64, 3, "free", "overlap")}
 FP8_SPLIT_ONE_CONSUMER_TILES = {128: (1, 128, 2, "free", "overlap", False)}
