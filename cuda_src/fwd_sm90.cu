@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) fwd_sm90(const __gr
   // with its Q; since then +4-7% at head dim 64 up to 1k keys and -2 to -3% beyond: version 41).
   constexpr bool kPingPong = kConsumerSync == kSyncPingPong, kTileSync = kConsumerSync == kSyncTile;
   // One consumer: a decode step's split parts, whose few rows one consumer holds (a second one would
-  // only wait for each block and release it: fwd_sm90.py, SPLIT_TILES).
+  // only wait for each block and release it: fwd_sm90.py, SPLIT_ONE_CONSUMER_TILES).
   static_assert(kConsumers > 1 || (kSplitKV && !kPingPong), "one consumer: split-KV parts, no turns to take");
   using Split = RegisterSplit<kConsumers>;
   static_assert(Split::kProducer + kConsumers * Split::kConsumer <= 65536 / (128 * (kConsumers + 1)) / 8 * 8 * (kConsumers + 1),

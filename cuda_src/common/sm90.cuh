@@ -241,8 +241,9 @@ template <>
 struct RegisterSplit<2> {
   static constexpr int kProducer = 24, kConsumer = 240;
 };
+// (fwd_sm90's one-consumer split variants: a consumer as many as with two)
 template <>
-struct RegisterSplit<1> {  // (fwd_sm90's one-consumer split variants: a consumer as many as with two)
+struct RegisterSplit<1> {
   static constexpr int kProducer = 24, kConsumer = 240;
 };
 template <>
