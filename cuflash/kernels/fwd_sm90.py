@@ -635,24 +635,27 @@ def few_rows(problem) -> bool:
 
 
 def _split_row(headdim: int, softcap: bool, masked: bool, few: bool) -> tuple[int, int, int, str, str]:
-    if not softcap and not masked:
-        if few and headdim in SPLIT_ONE_CONSUMER_TILES:
-            return SPLIT_ONE_CONSUMER_TILES[headdim]
-        if headdim in SPLIT_TILES:
-            return SPLIT_TILES[headdim]
-    return _rows(headdim, softcap)[-1][1]
+    return _unmasked_split_row(SPLIT_ONE_CONSUMER_TILES, SPLIT_TILES, headdim, masked or softcap, few,
+                               _rows(headdim, softcap)[-1][1])
 
 
 def _fp8_split_row(headdim: int, masked: bool, few: bool) -> tuple[int, int, int, str, str, bool]:
     """e4m3's split variants take the head dim's FP8_SPLIT_ONE_CONSUMER_TILES or FP8_SPLIT_TILES row
     (unmasked) or else its first FP8_TILES row; V transposed in the kernel either way: a decode
     step's keys are read once, and a V^T pass would read them again."""
+    return _unmasked_split_row(FP8_SPLIT_ONE_CONSUMER_TILES, FP8_SPLIT_TILES, headdim, masked, few,
+                               FP8_TILES[headdim][0][1])
+
+
+def _unmasked_split_row(one_consumer: dict, split: dict, headdim: int, masked: bool, few: bool, otherwise: tuple):
+    """A split variant's row: unmasked, the head dim's one-consumer row (few rows) or split row, where
+    the tables have one; else `otherwise`."""
     if not masked:
-        if few and headdim in FP8_SPLIT_ONE_CONSUMER_TILES:
-            return FP8_SPLIT_ONE_CONSUMER_TILES[headdim]
-        if headdim in FP8_SPLIT_TILES:
-            return FP8_SPLIT_TILES[headdim]
-    return FP8_TILES[headdim][0][1]
+        if few and headdim in one_consumer:
+            return one_consumer[headdim]
+        if headdim in split:
+            return split[headdim]
+    return otherwise
 
 
 def split_block_m(problem) -> int:
