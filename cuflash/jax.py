@@ -99,7 +99,10 @@ def _callable(problem: Problem, inputs: tuple[tuple[str, str], ...], outputs: tu
                 views[name] = x
             return views
 
-        p = dataclasses.replace(problem, device=device, batch=math.prod(ins[0].shape[:lead + 1]))
+        # vmapped axes fold into a batch-leading op's batch; a varlen op's leading dimension is its
+        # packed rows, not its batch (that is cu_seqlens' length less one)
+        batch = math.prod(ins[0].shape[:lead + 1]) if foldable else problem.batch
+        p = dataclasses.replace(problem, device=device, batch=batch)
         dispatch.execute(p, arrays(ins, inputs), arrays(outs, [(name, dtype) for name, _, dtype in outputs]),
                          int(ctx.stream) if device.is_cuda else None)
 

@@ -325,6 +325,36 @@ def test_jax_grad_runs_the_backward_kernel():
         assert (got - w.grad).abs().max().item() < 0.05 * w.grad.abs().max().item() + 1e-3
 
 
+def test_jax_varlen_runs_the_gpu_kernels():
+    """cuflash.jax.attention_varlen under jax.jit and jax.grad on GPU arrays: the kernels torch's call
+    runs, with the sequences cu_seqlens give (the callback once took q's packed rows for the batch,
+    and the kernels read cu_seqlens past their end)."""
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cj
+    import cuflash.torch as ct
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    cu_q = torch.tensor([0, 100, 100, 333], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 50, 290, 400], device="cuda", dtype=torch.int32)
+    tq = torch.randn(333, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    tk, tv = (torch.randn(400, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v, cq, ck = (jax.dlpack.from_dlpack(x) for x in (tq, tk, tv, cu_q, cu_k))
+    attend = lambda q, k, v: cj.attention_varlen(q, k, v, cq, ck, 233, 240, causal=True)  # noqa: E731
+    out = jax.jit(attend)(q, k, v)
+    want = cuflash.attention_varlen(tq, tk, tv, cu_q, cu_k, 233, 240, causal=True)
+    assert torch.equal(torch.from_dlpack(out), want)
+    loss = lambda q, k, v: jax.numpy.square(attend(q, k, v).astype(jax.numpy.float32)).sum()  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    leaves = [x.detach().clone().requires_grad_() for x in (tq, tk, tv)]
+    ct_out = ct.attention_varlen(*leaves, cu_q, cu_k, 233, 240, causal=True)
+    ct_out.float().square().sum().backward()
+    for got, leaf in zip(grads, leaves):
+        got, w = torch.from_dlpack(got).float(), leaf.grad.float()
+        assert not torch.isnan(got).any() and (got - w).abs().max().item() <= 1e-2 * w.abs().max().item()
+
+
 @pytest.mark.parametrize("backend", ["sm80", "sm90"])
 def test_repeated_calls_read_each_calls_arrays(backend):
     """The backward's calls after the first with arrays laid out alike skip the checks and reuse
