@@ -1,7 +1,9 @@
 """The public functions: argument checks, then one Problem handed to `dispatch`.
 
 Every check happens here, before any kernel runs, and each error names the argument, what was
-given and what is expected. Nothing below this module re-validates user input. A GPU call whose
+given and what is expected. Nothing below this module re-validates user input, with one exception:
+the values of cu_seqlens that are not on the host (on a GPU, or a jax.jit tracer's) are checked where
+the call runs, ahead of its kernel (kernels/check_cu_seqlens.py; dispatch._run_reference). A GPU call whose
 arrays and other arguments match an earlier call's (dispatch.call_signature: types, dtypes,
 shapes, strides, devices, addresses mod 16) runs what that call's checks concluded without
 checking again: the checks look at nothing else.
@@ -319,7 +321,10 @@ def backward_preprocess(dout, out):
 
 
 def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: str, max_seqlen: Any) -> int:
-    """Check one cu_seqlens array against the packed length; return the number of sequences."""
+    """Check one cu_seqlens array against the packed length; return the number of sequences. Its
+    values are checked where they are, never copied: a host array's here (reference.check_cu_seqlens),
+    a GPU array's by a kernel queued ahead of the attention kernel (kernels/check_cu_seqlens.py), a
+    JAX tracer's where the program runs (that kernel, or the reference's run on a CPU)."""
     if info.dtype != "int32":
         raise TypeError(f"{name} must be int32 prefix sums of the sequence lengths; got dtype {info.dtype}")
     if len(info.shape) != 1 or info.shape[0] < 2:
@@ -329,21 +334,8 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
         raise TypeError(f"{max_name} must be a non-negative int; got {max_seqlen!r}")
     if not 0 <= max_seqlen <= _INT32_MAX:
         raise ValueError(f"{max_name} must be in [0, {_INT32_MAX}]; got {max_seqlen}")
-    values = arrays.small_host_copy(x)
-    if values is not None:
-        values = np.asarray(values, dtype=np.int64)
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0; got {values[0]}")
-        lengths = np.diff(values)
-        if (lengths < 0).any():
-            i = int(np.argmax(lengths < 0))
-            raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}] = {values[i + 1]} < "
-                             f"{name}[{i}] = {values[i]}")
-        if values[-1] != total:
-            raise ValueError(f"{name}[-1] = {values[-1]} must equal the packed length {total}")
-        if lengths.size and lengths.max() > max_seqlen:
-            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} "
-                             f"({lengths.max()})")
+    if not info.device.is_cuda and not info.traced:
+        reference.check_cu_seqlens(name, arrays.host_view(x), total, max_name, max_seqlen)
     return info.shape[0] - 1
 
 
@@ -385,17 +377,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_kv, headdim); sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1] (int32 prefix sums of length batch + 1, starting at 0);
     max_seqlen_q/max_seqlen_k bound the sequence lengths. Masks align bottom-right per sequence.
-    lse: float32 (nheads, total_q). cu_seqlens values are checked on the host (a small copy; for GPU
-    arrays a synchronisation); under jax.jit they are unknown and only their shape is checked.
-    backend: as for `attention`.
+    lse: float32 (nheads, total_q). cu_seqlens values are checked where they are, with no copy and no
+    synchronisation (so a CUDA graph may capture the call, and jax.jit checks them too): host arrays'
+    with a ValueError; on a GPU by a kernel queued ahead of the attention kernel, which stops the
+    program with a device-side assertion after printing the rule they break (the CUDA context is
+    then lost, as after PyTorch's own device-side assertions). backend: as for `attention`.
     """
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    infos = _describe_all(named)
-    problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k,
-                              (causal, softmax_scale, window, softcap), backend)
-    out, lse = dispatch.run(problem, named, dict(out=(infos["q"].shape, problem.dtype),
-                                                 lse=((problem.nheads, problem.total_q), "float32")))
+    scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap)
+
+    def check():
+        infos = _describe_all(named)
+        problem = _varlen_problem("attention_varlen_forward", infos, named, *scalars[:2], scalars[2:], backend)
+        return problem, dict(out=(infos["q"].shape, problem.dtype), lse=((problem.nheads, problem.total_q), "float32"))
+
+    # remembered like `attention`'s calls: GPU cu_seqlens' values are not the host's to check
+    signature = dispatch.call_signature("attention_varlen_forward", named, (*scalars, backend))
+    out, lse = dispatch.run_checked(signature, named, check)
     return (out, lse) if return_lse else out
 
 
@@ -406,17 +405,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     deterministic and backend: as for `attention_backward`."""
     deterministic = _check_flag("deterministic", deterministic)
     named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    infos = _describe_all(named)
-    problem = _varlen_problem("attention_varlen_backward", infos, named, max_seqlen_q, max_seqlen_k,
-                              (causal, softmax_scale, window, softcap), backend, deterministic)
-    for name in ("dout", "out"):
-        _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
-        _check_unit_last_stride(infos[name])
-    _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
-    _check_lse(infos["lse"], (problem.nheads, problem.total_q))
-    return dispatch.run(problem, named, dict(dq=(infos["q"].shape, problem.dtype),
-                                             dk=(infos["k"].shape, problem.dtype),
-                                             dv=(infos["v"].shape, problem.dtype)))
+    scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap)
+
+    def check():
+        infos = _describe_all(named)
+        problem = _varlen_problem("attention_varlen_backward", infos, named, *scalars[:2], scalars[2:], backend,
+                                  deterministic)
+        for name in ("dout", "out"):
+            _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
+            _check_unit_last_stride(infos[name])
+        _check_same_dtype([infos["q"], infos["dout"], infos["out"]])
+        _check_lse(infos["lse"], (problem.nheads, problem.total_q))
+        return problem, dict(dq=(infos["q"].shape, problem.dtype), dk=(infos["k"].shape, problem.dtype),
+                             dv=(infos["v"].shape, problem.dtype))
+
+    signature = dispatch.call_signature("attention_varlen_backward", named, (*scalars, deterministic, backend))
+    return dispatch.run_checked(signature, named, check)
 
 
 # ----------------------------------------------------------------------------- FP8 (e4m3)

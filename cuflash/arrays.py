@@ -216,21 +216,6 @@ def host_view(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def small_host_copy(x: Any) -> np.ndarray | None:
-    """The values of a small array on the host (a GPU array is copied, which synchronises), or
-    None for a JAX tracer, whose values are unknown until the program runs."""
-    framework = framework_of(x)
-    if framework == "numpy":
-        return x
-    if framework == "cupy":
-        return x.get()
-    if framework == "torch":
-        return x.detach().cpu().numpy()
-    if isinstance(x, _module("jax").core.Tracer):
-        return None
-    return np.asarray(x)
-
-
 _TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "float8_e4m3fn")
 
 

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from . import arrays, kernels, reference
+from .kernels import check_cu_seqlens
 from .kernels.forward import heads_as_rows, query_heads_as_rows
 from .problem import Problem
 
@@ -170,7 +171,8 @@ def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
              device_outputs: dict[str, arrays.DeviceArray]):
     """`plan`'s kernel, loaded (compiled on first use), as a function (inputs, outputs, stream) of
     arrays laid out as these (Family.prepare): remembered per plan and outputs' strides. A decode
-    step with GQA runs as its kv heads' query heads in rows (kernels.forward.query_heads_as_rows)."""
+    step with GQA runs as its kv heads' query heads in rows (kernels.forward.query_heads_as_rows); a
+    varlen call's kernel runs behind check_cu_seqlens (kernels/check_cu_seqlens.py)."""
     def make():
         import cupy
 
@@ -187,9 +189,16 @@ def launcher(problem: Problem, device_inputs: dict[str, arrays.DeviceArray],
         index = problem.device.index
         launch = family.prepare(variant, jit.get_function(variant, index), kernel_problem, view(device_inputs),
                                 view(device_outputs))
+        if problem.varlen:  # their cu_seqlens checked on the GPU first, on the same stream
+            checker = check_cu_seqlens.VARIANT
+            check = check_cu_seqlens.prepare(checker, jit.get_function(checker, index), problem, device_inputs,
+                                             device_outputs)
+        else:
+            check = kernels.launch_nothing
 
         def on_device(inputs, outputs, stream) -> None:
             with cupy.cuda.Device(index):
+                check(inputs, outputs, stream)
                 launch(view(inputs), view(outputs), stream)
         return on_device
 
@@ -229,6 +238,11 @@ def _run_reference(problem: Problem, ins: dict, outs: dict) -> None:
     """The NumPy reference (float64) for every op; results are cast into the outputs' dtypes."""
     f = problem.features
     op = problem.op
+    if problem.varlen:  # the values of a jax.jit program's (api checked the other host arrays' already)
+        reference.check_cu_seqlens("cu_seqlens_q", ins["cu_seqlens_q"], problem.total_q, "max_seqlen_q",
+                                   problem.seqlen_q)
+        reference.check_cu_seqlens("cu_seqlens_k", ins["cu_seqlens_k"], problem.total_k, "max_seqlen_k",
+                                   problem.seqlen_k)
     if op == "attention_forward":
         outs["out"][...], outs["lse"][...] = reference.forward(ins["q"], ins["k"], ins["v"], **f)
     elif op == "attention_varlen_forward":

@@ -468,6 +468,26 @@ def backward_tiled(dout, q, k, v, out, lse, *, block_m=64, block_n=64, causal=Fa
 # ---------------------------------------------------------------------------
 
 
+def check_cu_seqlens(name: str, cu_seqlens, total: int, max_name: str, max_seqlen: int) -> None:
+    """ValueError unless cu_seqlens (the values) are prefix sums of sequence lengths that start at 0,
+    never decrease, end at the packed length `total` and are each at most `max_seqlen`. The varlen
+    calls check host arrays here and GPU arrays with cuda_src/check_cu_seqlens.cu, which repeats
+    these rules and messages."""
+    values = np.asarray(cu_seqlens, dtype=np.int64)
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {values[0]}")
+    lengths = np.diff(values)
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}] = {values[i + 1]} < "
+                         f"{name}[{i}] = {values[i]}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] = {values[-1]} must equal the packed length {total}")
+    if lengths.size and lengths.max() > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} "
+                         f"({lengths.max()})")
+
+
 def _sequences(cu_seqlens_q, cu_seqlens_k):
     cq = np.asarray(cu_seqlens_q).astype(np.int64)
     ck = np.asarray(cu_seqlens_k).astype(np.int64)

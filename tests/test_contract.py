@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import os
 import sys
 from typing import Any
@@ -975,8 +976,8 @@ def test_refusal_does_not_depend_on_values(case, no_kernel):
     assert _outcome(fn, args, kwargs) == plain
 
 
-JIT_BAD = [p for p in BAD if p.values[0].fw == "jax"
-           and not any(s in p.id for s in ("start", "last", "too-small", "decreasing"))]
+_READS_VALUES = ("start", "last", "too-small", "decreasing")  # cases whose cu_seqlens values are bad
+JIT_BAD = [p for p in BAD if p.values[0].fw == "jax" and not any(s in p.id for s in _READS_VALUES)]
 
 
 @pytest.mark.parametrize("case", JIT_BAD)
@@ -993,6 +994,27 @@ def test_refusal_is_the_same_under_jit(case, no_kernel):
         return fn(*(next(it) if t else x for x, t in zip(args, is_array)), **kwargs)
 
     assert _outcome(jax.jit(traced), traced_args, {}) == eager
+
+
+JIT_BAD_VALUES = [p for p in BAD if p.values[0].fw == "jax" and any(s in p.id for s in _READS_VALUES)]
+
+
+@pytest.mark.parametrize("case", JIT_BAD_VALUES)
+def test_cu_seqlens_values_are_checked_where_a_jit_program_runs(case):
+    """Under jax.jit cu_seqlens' values are unknown to the argument checks; the reference's run (a
+    CPU program's callback) checks them before it reads them and the program fails with its message
+    (a GPU program's: kernels/check_cu_seqlens.py)."""
+    fn, args, kwargs = case.build()
+    is_array = [isinstance(x, jax.Array) for x in args]
+
+    def traced(*xs):
+        it = iter(xs)
+        return fn(*(next(it) if t else x for x, t in zip(args, is_array)), **kwargs)
+
+    with pytest.raises(Exception) as raised:  # JAX's runtime error, carrying the callback's ValueError
+        jax.block_until_ready(jax.jit(traced)(*(x for x, t in zip(args, is_array) if t)))
+    message = str(raised.value)
+    assert "ValueError: " in message and re.search(case.match.removeprefix("^"), message), message
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "jax-jit"])

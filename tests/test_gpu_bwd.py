@@ -306,6 +306,126 @@ def test_torch_cuda_graph_captures_forward_and_backward(deterministic):
             assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
+def test_torch_cuda_graph_captures_a_varlen_training_step():
+    """attention_varlen's cu_seqlens are checked on the GPU (kernels/check_cu_seqlens.py), never copied
+    to the host: a CUDA graph captures a packed step, forward and backward, and a replay with other
+    lengths written into the same cu_seqlens buffers computes those lengths, as an eager step does."""
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    total, nheads, headdim = 700, 4, 128
+    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 100, 350, 700], device="cuda", dtype=torch.int32)
+    max_seqlen = 400  # bounds every packing below
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        out = ct.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: kernels compiled and loaded before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()  # (the capture ran nothing)
+    captured_before = out.detach().clone()
+    cu_seqlens.copy_(torch.tensor([0, 300, 310, 700], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    captured = [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
+    eager = step()
+    for got, want in zip(captured, [eager] + [x.grad for x in (q, k, v)]):
+        assert not torch.isnan(got).any()
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+    assert (captured[0].float() - captured_before.float()).abs().max().item() > 0.1  # the lengths did matter
+
+
+# Bad cu_seqlens on the GPU stop the program (a device-side assertion ahead of the attention kernel),
+# so each case runs in a process of its own: (framework, call, (argument: value), the message printed).
+_VALID = dict(cu_seqlens_q=[0, 4, 9], cu_seqlens_k=[0, 5, 11], max_seqlen_q=5, max_seqlen_k=6)
+_BAD_CU_SEQLENS = [
+    ("torch", "forward", dict(cu_seqlens_q=[0, 10, 9]), "cuflash.attention_varlen: cu_seqlens_q must be "
+     "non-decreasing; cu_seqlens_q[2] = 9 < cu_seqlens_q[1] = 10"),
+    ("torch", "backward", dict(cu_seqlens_k=[0, 5, 12]), "cuflash.attention_varlen_backward: cu_seqlens_k[-1] = 12 "
+     "must equal the packed length 11"),
+    ("cupy", "forward", dict(cu_seqlens_k=[1, 5, 11]), "cuflash.attention_varlen: cu_seqlens_k must start at 0; got 1"),
+    ("torch", "forward", dict(max_seqlen_q=4), "cuflash.attention_varlen: max_seqlen_q = 4 is smaller than the "
+     "longest sequence in cu_seqlens_q (5)"),
+    ("jax-jit", "forward", dict(cu_seqlens_q=[0, 4, 8]), "cuflash.attention_varlen: cu_seqlens_q[-1] = 8 must equal "
+     "the packed length 9"),
+    ("torch", "autograd", dict(cu_seqlens_q=[0, 4, 9, 3, 9], cu_seqlens_k=[0, 5, 11, 11, 11]),
+     "cuflash.attention_varlen: cu_seqlens_q must be non-decreasing; cu_seqlens_q[3] = 3 < cu_seqlens_q[2] = 9"),
+    # 600 sequences, most of them empty: the first of two decreasing steps, past the kernel's 256 threads
+    ("torch", "many", dict(cu_seqlens_q=[0] * 450 + [4, 3] + [9] * 48 + [2] + [9] * 100,
+                           cu_seqlens_k=[0] + [5] * 599 + [11]),
+     "cuflash.attention_varlen: cu_seqlens_q must be non-decreasing; cu_seqlens_q[451] = 3 < cu_seqlens_q[450] = 4"),
+]
+_BAD_CU_SEQLENS_SCRIPT = """
+import ctypes, json, sys
+import torch, cuflash, cuflash.torch
+framework, call, changes = json.loads(sys.argv[1])
+a = dict(json.loads(sys.argv[2]), **changes)
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(n, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16) for n in (9, 11, 11))
+cu = {n: torch.tensor(a[n], device="cuda", dtype=torch.int32) for n in ("cu_seqlens_q", "cu_seqlens_k")}
+good = torch.tensor([0, 4, 9], device="cuda", dtype=torch.int32), torch.tensor([0, 5, 11], device="cuda", dtype=torch.int32)
+out, lse = cuflash.attention_varlen(q, k, v, *good, 5, 6, return_lse=True)  # a good call first, in this process
+torch.cuda.synchronize()
+args = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
+try:
+    if framework == "cupy":
+        import cupy
+        cuflash.attention_varlen(*(cupy.from_dlpack(x) for x in (q, k, v, *args[:2])), *args[2:])
+        cupy.cuda.get_current_stream().synchronize()
+    elif framework == "jax-jit":
+        import jax
+        xs = [jax.dlpack.from_dlpack(x) for x in (q, k, v, *args[:2])]
+        jax.block_until_ready(jax.jit(lambda *xs: cuflash.attention_varlen(*xs, *args[2:]))(*xs))
+    elif call in ("forward", "many"):
+        cuflash.attention_varlen(q, k, v, *args)
+    elif call == "backward":
+        cuflash.attention_varlen_backward(torch.ones_like(out), q, k, v, out, lse, *args)
+    else:
+        q.requires_grad_()
+        cuflash.torch.attention_varlen(q, k, v, *args).float().sum().backward()
+    torch.cuda.synchronize()
+    print("RETURNED")
+finally:
+    ctypes.CDLL(None).fflush(None)  # the device's printf went to C's stdout buffer
+"""
+
+
+@pytest.mark.parametrize("framework, call, changes, message", _BAD_CU_SEQLENS,
+                         ids=[f"{c[0]}-{c[1]}-{next(iter(c[2]))}" for c in _BAD_CU_SEQLENS])
+def test_bad_gpu_cu_seqlens_stop_the_program_with_their_message(framework, call, changes, message):
+    """GPU cu_seqlens are checked by a kernel queued ahead of the attention kernel (no host copy, no
+    synchronisation): a broken rule is printed, with reference.check_cu_seqlens' words, and a
+    device-side assertion stops the program before the attention kernel reads them."""
+    import json
+    import subprocess
+    import sys
+
+    if framework == "jax-jit":
+        jax = pytest.importorskip("jax")
+        if jax.default_backend() != "gpu":
+            pytest.skip("JAX has no GPU backend here")
+    if framework == "cupy":
+        pytest.importorskip("cupy")
+    result = subprocess.run([sys.executable, "-c", _BAD_CU_SEQLENS_SCRIPT, json.dumps([framework, call, changes]),
+                             json.dumps(_VALID)], capture_output=True, text=True, timeout=300)
+    assert "RETURNED" not in result.stdout and result.returncode != 0, (result.stdout, result.stderr[-2000:])
+    assert message in result.stdout, (result.stdout, result.stderr[-2000:])
+    assert "assert" in (result.stdout + result.stderr).lower(), result.stderr[-2000:]
+
+
 def test_jax_grad_runs_the_backward_kernel():
     jax = pytest.importorskip("jax")
     import cuflash.jax as cj

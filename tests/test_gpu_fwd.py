@@ -128,6 +128,27 @@ def test_varlen_matches_per_sequence_reference(backend, dtype, headdim, lens, nh
         _check(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None], v[sk][None], kw)
 
 
+@BACKENDS
+def test_repeated_varlen_calls_read_each_calls_cu_seqlens(backend):
+    """Varlen calls are remembered per call signature as `attention`'s are (dispatch.run_checked; their
+    GPU cu_seqlens' values are checked by check_cu_seqlens' kernel, not on the host): each later call
+    with arrays laid out alike must read its own cu_seqlens, new buffers or new values in the old."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None)
+    q, k, v = (torch.randn(300, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    reused = torch.zeros(4, device="cuda", dtype=torch.int32)
+    for lens in ((100, 200, 0), (250, 0, 50), (0, 300, 0), (1, 1, 298)):
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device="cuda", dtype=torch.int32)
+        for cu_seqlens in (cu, reused.copy_(cu)):
+            out, lse = cuflash.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 300, 300, return_lse=True,
+                                                backend=backend, **kw)
+            for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                if start == end:
+                    continue
+                rows = slice(start, end)
+                _check(out[rows][None], lse[:, rows][None], q[rows][None], k[rows][None], v[rows][None], kw)
+
+
 # Rows the tile table does not hold, which benchmarks/bench_fwd.py --sm90-tiles can time: the serial
 # schedule with ping-pong, free and starting tiles together, with one K/V stage and with two, at two
 # and three consumers; free consumers with the P V overlap and with two consumers.

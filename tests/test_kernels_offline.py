@@ -20,8 +20,11 @@ def test_every_variant_compiles_without_spills_or_local_memory(report):
     for r in rows:
         assert r["registers"] > 0, r
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
-        assert r["stack_frame_bytes"] == 0, r
-        assert r["local_memory_instructions"] == 0, r
+        if r["family"] == "check_cu_seqlens":  # printf's arguments, on its error path, go through a local buffer
+            assert r["stack_frame_bytes"] <= 64 and r["local_memory_instructions"] == r["sass_opcodes"].get("STL"), r
+        else:
+            assert r["stack_frame_bytes"] == 0, r
+            assert r["local_memory_instructions"] == 0, r
         assert r["sass_opcodes"].get("EXIT", 0) >= 1, r
 
 

@@ -210,11 +210,13 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from . import bwd_preprocess, bwd_sm80, bwd_sm90, fwd_sm80, fwd_sm90, quantize_fp8, quantized_sm90
+    from . import (bwd_preprocess, bwd_sm80, bwd_sm90, check_cu_seqlens, fwd_sm80, fwd_sm90, quantize_fp8,
+                   quantized_sm90)
 
     # In order of preference: dispatch takes the first family that runs on the GPU and accepts the problem.
+    # (check_cu_seqlens serves no op: dispatch runs it ahead of every varlen kernel.)
     return (fwd_sm90.FAMILY, fwd_sm80.FAMILY, fwd_sm90.FP8_FAMILY, quantized_sm90.FAMILY, bwd_sm90.FAMILY,
-            bwd_sm80.FAMILY, bwd_preprocess.FAMILY, quantize_fp8.FAMILY)
+            bwd_sm80.FAMILY, bwd_preprocess.FAMILY, quantize_fp8.FAMILY, check_cu_seqlens.FAMILY)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _families()}
