@@ -65,6 +65,42 @@ def test_torch_compile_has_no_graph_break_and_lse_is_not_differentiable():
     torch.testing.assert_close(dynamic(q, k, v)[0], value)
 
 
+def test_torch_eager_calls_run_the_plain_functions_and_tracers_see_the_ops():
+    """Eager calls skip torch.library's custom-op layers (their host time: cuflash/torch.py): with
+    autograd recording, the graph's node is the eager autograd.Function; make_fx, fake tensors and
+    torch.compile see the custom ops, with the same gradient rule (varlen here; dense above)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(4)
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    q, k, v = (torch.tensor(_rand(rng, *s), requires_grad=True) for s in ((8, 4, 8), (9, 2, 8), (9, 2, 8)))
+
+    def loss(q, k, v):
+        return ct.attention_varlen(q, k, v, cu_q, cu_k, 5, 5, causal=True).square().sum()
+
+    assert type(ct.attention(q[None], k[None], v[None]).grad_fn).__name__ == "_DenseAttentionBackward"
+    assert type(loss(q, k, v).grad_fn.next_functions[0][0].next_functions[0][0]).__name__ == "_VarlenAttentionBackward"
+    graph = make_fx(lambda q, k, v: ct.attention(q, k, v, causal=True))(q[None].detach(), k[None].detach(),
+                                                                         v[None].detach())
+    assert "cuflash.attention_fwd" in str(graph.graph)
+    mode = FakeTensorMode()
+    fake = [mode.from_tensor(x) for x in (q.detach(), k.detach(), v.detach(), cu_q, cu_k)]
+    with mode:
+        out = ct.attention_varlen(*fake, 5, 5)
+    assert out.shape == q.shape
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    compiled(q, k, v).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    loss(q, k, v).backward()
+    for got, want in zip(grads, (x.grad for x in (q, k, v))):
+        torch.testing.assert_close(got, want)
+
+
 def test_torch_entry_points_refuse_bad_arguments_by_name():
     import cuflash.torch as ct
 
