@@ -2,10 +2,10 @@
 
 Every check happens here, before any kernel runs, and each error names the argument, what was
 given and what is expected. Nothing below this module re-validates user input, with one exception:
-the values of cu_seqlens that are not on the host (on a GPU, or a jax.jit tracer's) are checked where
-the call runs, ahead of its kernel (kernels/check_cu_seqlens.py; dispatch._run_reference). A GPU call whose
-arrays and other arguments match an earlier call's (dispatch.call_signature: types, dtypes,
-shapes, strides, devices, addresses mod 16) runs what that call's checks concluded without
+the values of cu_seqlens that are not on the host (on a GPU, or a jax.jit tracer's) are checked
+where the call runs, ahead of its kernel (kernels/check_cu_seqlens.py; dispatch._run_reference). A
+GPU call whose arrays and other arguments match an earlier call's (dispatch.call_signature: types,
+dtypes, shapes, strides, devices, addresses mod 16) runs what that call's checks concluded without
 checking again: the checks look at nothing else.
 """
 from __future__ import annotations

@@ -263,6 +263,20 @@ def test_torch_autograd_runs_the_backward_kernel(deterministic):
         assert (got.float() - w).abs().max().item() < 0.05 * w.abs().max().item() + 1e-3
 
 
+def _captured(step):
+    """A CUDA graph of step() and the output its capture returned (contents written by replays):
+    warmed up on a side stream first, so that kernels are compiled and loaded before the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_torch_cuda_graph_captures_forward_and_backward(deterministic):
     """A training step's attention, forward and backward, captured in a CUDA graph: every buffer
@@ -284,14 +298,7 @@ def test_torch_cuda_graph_captures_forward_and_backward(deterministic):
         out.backward(dout)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: kernels compiled and loaded before the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     with torch.no_grad():
         for x in (q, k, v):
             x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
@@ -327,14 +334,7 @@ def test_torch_cuda_graph_captures_a_varlen_training_step():
         out.backward(dout)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: kernels compiled and loaded before the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     graph.replay()  # (the capture ran nothing)
     captured_before = out.detach().clone()
     cu_seqlens.copy_(torch.tensor([0, 300, 310, 700], dtype=torch.int32))
@@ -376,7 +376,7 @@ a = dict(json.loads(sys.argv[2]), **changes)
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(n, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16) for n in (9, 11, 11))
 cu = {n: torch.tensor(a[n], device="cuda", dtype=torch.int32) for n in ("cu_seqlens_q", "cu_seqlens_k")}
-good = torch.tensor([0, 4, 9], device="cuda", dtype=torch.int32), torch.tensor([0, 5, 11], device="cuda", dtype=torch.int32)
+good = (torch.tensor(c, device="cuda", dtype=torch.int32) for c in ([0, 4, 9], [0, 5, 11]))
 out, lse = cuflash.attention_varlen(q, k, v, *good, 5, 6, return_lse=True)  # a good call first, in this process
 torch.cuda.synchronize()
 args = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
