@@ -1017,6 +1017,27 @@ def test_cu_seqlens_values_are_checked_where_a_jit_program_runs(case):
     assert "ValueError: " in message and re.search(case.match.removeprefix("^"), message), message
 
 
+@pytest.mark.parametrize("values, max_seqlen", [([3, 5, 9], 9), ([0, 5, 2, 9], 9), ([0, 5, 8], 9), ([0, 5, 9], 4)],
+                         ids=["start", "decreasing", "last", "too-small"])
+def test_gpu_cu_seqlens_check_prints_the_host_checks_messages(values, max_seqlen):
+    """cuda_src/check_cu_seqlens.cu repeats reference.check_cu_seqlens' rules in its words: each host
+    message, its names as %s and its numbers as %d, is one of the kernel's printf formats."""
+    from cuflash import jit
+
+    source = (jit.source_dir() / "check_cu_seqlens.cu").read_text()
+    formats = set(re.findall(r'printf\("(.*?)\\n"', source))
+    with pytest.raises(ValueError) as raised:
+        reference.check_cu_seqlens("cu_seqlens_k", np.array(values, np.int32), 9, "max_seqlen_k", max_seqlen)
+    literals = {"start at 0": "<zero>", "[-1]": "<last>"}  # numbers of the words themselves
+    message = str(raised.value)
+    for literal, placeholder in literals.items():
+        message = message.replace(literal, placeholder)
+    message = re.sub(r"-?\d+", "%d", message.replace("max_seqlen_k", "%s").replace("cu_seqlens_k", "%s"))
+    for literal, placeholder in literals.items():
+        message = message.replace(placeholder, literal)
+    assert "cuflash.%s: " + message in formats, (message, formats)
+
+
 @pytest.mark.parametrize("framework", ["numpy", "torch", "jax-jit"])
 def test_nan_data_is_not_an_argument_error(framework):
     """NaN (and inf) data runs: it is not the argument checks' business."""
