@@ -3,7 +3,7 @@
 Every check happens here, before any kernel runs, and each error names the argument, what was
 given and what is expected. Nothing below this module re-validates user input, with one exception:
 the values of cu_seqlens that are not on the host (on a GPU, or a jax.jit tracer's) are checked
-where the call runs, ahead of its kernel (kernels/check_cu_seqlens.py; dispatch._run_reference). A
+where the call runs, ahead of its kernel (kernels/check_cu_seqlens.py; cuflash/jax.py's callback). A
 GPU call whose arrays and other arguments match an earlier call's (dispatch.call_signature: types,
 dtypes, shapes, strides, devices, addresses mod 16) runs what that call's checks concluded without
 checking again: the checks look at nothing else.
@@ -324,7 +324,7 @@ def _check_cu_seqlens(name: str, info: ArrayInfo, x: Any, total: int, max_name: 
     """Check one cu_seqlens array against the packed length; return the number of sequences. Its
     values are checked where they are, never copied: a host array's here (reference.check_cu_seqlens),
     a GPU array's by a kernel queued ahead of the attention kernel (kernels/check_cu_seqlens.py), a
-    JAX tracer's where the program runs (that kernel, or the reference's run on a CPU)."""
+    JAX tracer's where the program runs (that kernel, or cuflash/jax.py's callback on a CPU)."""
     if info.dtype != "int32":
         raise TypeError(f"{name} must be int32 prefix sums of the sequence lengths; got dtype {info.dtype}")
     if len(info.shape) != 1 or info.shape[0] < 2:
@@ -385,15 +385,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     return_lse = _check_flag("return_lse", return_lse)
     named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap)
+    features = (causal, softmax_scale, window, softcap)
 
     def check():
         infos = _describe_all(named)
-        problem = _varlen_problem("attention_varlen_forward", infos, named, *scalars[:2], scalars[2:], backend)
+        problem = _varlen_problem("attention_varlen_forward", infos, named, max_seqlen_q, max_seqlen_k, features,
+                                  backend)
         return problem, dict(out=(infos["q"].shape, problem.dtype), lse=((problem.nheads, problem.total_q), "float32"))
 
     # remembered like `attention`'s calls: GPU cu_seqlens' values are not the host's to check
-    signature = dispatch.call_signature("attention_varlen_forward", named, (*scalars, backend))
+    signature = dispatch.call_signature("attention_varlen_forward", named,
+                                        (max_seqlen_q, max_seqlen_k, *features, backend))
     out, lse = dispatch.run_checked(signature, named, check)
     return (out, lse) if return_lse else out
 
@@ -405,12 +407,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     deterministic and backend: as for `attention_backward`."""
     deterministic = _check_flag("deterministic", deterministic)
     named = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap)
+    features = (causal, softmax_scale, window, softcap)
 
     def check():
         infos = _describe_all(named)
-        problem = _varlen_problem("attention_varlen_backward", infos, named, *scalars[:2], scalars[2:], backend,
-                                  deterministic)
+        problem = _varlen_problem("attention_varlen_backward", infos, named, max_seqlen_q, max_seqlen_k, features,
+                                  backend, deterministic)
         for name in ("dout", "out"):
             _check_shape(infos[name], infos["q"].shape, "(the shape of q)")
             _check_unit_last_stride(infos[name])
@@ -419,7 +421,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         return problem, dict(dq=(infos["q"].shape, problem.dtype), dk=(infos["k"].shape, problem.dtype),
                              dv=(infos["v"].shape, problem.dtype))
 
-    signature = dispatch.call_signature("attention_varlen_backward", named, (*scalars, deterministic, backend))
+    signature = dispatch.call_signature("attention_varlen_backward", named,
+                                        (max_seqlen_q, max_seqlen_k, *features, deterministic, backend))
     return dispatch.run_checked(signature, named, check)
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache, partial
 import jax
 import numpy as np
 
-from . import api, dispatch
+from . import api, dispatch, reference
 from .arrays import Device, numpy_dtype
 from .problem import Problem
 
@@ -103,7 +103,12 @@ def _callable(problem: Problem, inputs: tuple[tuple[str, str], ...], outputs: tu
         # packed rows, not its batch (that is cu_seqlens' length less one)
         batch = math.prod(ins[0].shape[:lead + 1]) if foldable else problem.batch
         p = dataclasses.replace(problem, device=device, batch=batch)
-        dispatch.execute(p, arrays(ins, inputs), arrays(outs, [(name, dtype) for name, _, dtype in outputs]),
+        views = arrays(ins, inputs)
+        if p.varlen and not device.is_cuda:  # a jax.jit program's values, unknown to api's checks (GPU: the kernel's)
+            for side, total, max_seqlen in (("q", p.total_q, p.seqlen_q), ("k", p.total_k, p.seqlen_k)):
+                name = f"cu_seqlens_{side}"
+                reference.check_cu_seqlens(name, np.asarray(views[name]), total, f"max_seqlen_{side}", max_seqlen)
+        dispatch.execute(p, views, arrays(outs, [(name, dtype) for name, _, dtype in outputs]),
                          int(ctx.stream) if device.is_cuda else None)
 
     # broadcast_all: under vmap every input gets the mapped axes (unmapped ones broadcast by XLA).

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import api, reference
 
@@ -47,8 +48,6 @@ def _op(name: str):
 
 
 def _tracing() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
@@ -182,10 +181,11 @@ _EAGER_AUTOGRAD = {  # forward op -> its autograd.Function of plain functions
 def _differentiable(op, *args):
     """A dense or varlen forward op (q, k and v first): `_call`, through its autograd.Function where
     autograd records the call."""
-    if (not _tracing() and torch.is_grad_enabled()
-            and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args[:3])):
+    if _tracing():
+        return op(*args)
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args[:3]):
         return _EAGER_AUTOGRAD[op].apply(*args)
-    return _call(op, *args)
+    return _PLAIN[op](*args)
 
 
 @_op("quantize_fp8")

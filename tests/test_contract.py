@@ -1001,8 +1001,8 @@ JIT_BAD_VALUES = [p for p in BAD if p.values[0].fw == "jax" and any(s in p.id fo
 
 @pytest.mark.parametrize("case", JIT_BAD_VALUES)
 def test_cu_seqlens_values_are_checked_where_a_jit_program_runs(case):
-    """Under jax.jit cu_seqlens' values are unknown to the argument checks; the reference's run (a
-    CPU program's callback) checks them before it reads them and the program fails with its message
+    """Under jax.jit cu_seqlens' values are unknown to the argument checks; a CPU program's callback
+    (cuflash/jax.py) checks them before it reads them and the program fails with its message
     (a GPU program's: kernels/check_cu_seqlens.py)."""
     fn, args, kwargs = case.build()
     is_array = [isinstance(x, jax.Array) for x in args]
